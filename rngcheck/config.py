@@ -1,0 +1,56 @@
+"""The checker's configuration: one validated, frozen dataclass. Environment variables are read at
+the edge (``env.py``, the CLI, the pytest plugin) and turned into one of these."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .policy import EXPECTATIONS, validate_choice
+
+__all__ = ["ON_FINDING", "SYNC_MODES", "Config"]
+
+ON_FINDING = ("raise", "warn", "record")
+SYNC_MODES = ("op", "step", "off")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Validated settings of an :class:`~rngcheck.RNGConsistencyMode`."""
+
+    group: Any = None
+    expect: str = "same"
+    sync: str = "step"
+    on_finding: str = "raise"
+    check_recompute: bool = True
+    window: int = 4096  # recent events kept in memory
+    every: int = 1024  # with sync="step", also exchange after this many random ops
+    timeout: float = 120.0  # seconds a rank waits for the others at an exchange
+    trace: str | None = None  # path to write the full random-op trace to (for `rngcheck diff`)
+    report_path: str | None = None  # where to write this rank's JSON report
+
+    def __post_init__(self) -> None:
+        validate_choice("expect", self.expect, EXPECTATIONS)
+        validate_choice("sync", self.sync, SYNC_MODES)
+        validate_choice("on_finding", self.on_finding, ON_FINDING)
+        if not isinstance(self.check_recompute, bool):
+            raise ValueError(
+                f"check_recompute must be True or False; got {self.check_recompute!r}"
+            )
+        _positive_int("window", self.window)
+        _positive_int("every", self.every)
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not math.isfinite(self.timeout)
+            or self.timeout <= 0
+        ):
+            raise ValueError(
+                f"timeout must be a positive number of seconds (e.g. 120); got {self.timeout!r}"
+            )
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")

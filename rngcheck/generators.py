@@ -1,0 +1,353 @@
+"""Generator identity and state digests: CPU (mt19937), philox devices, XLA, user Generators.
+
+A digest is a signed 64-bit blake2b of the generator's whole state, so it packs into an int64
+tensor for the cross-rank exchange and two different states collide only by chance (2**-64), never
+by construction the way an XOR or 8-bit hash does. Reading a state never changes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DeviceAdapter",
+    "GeneratorId",
+    "GeneratorRegistry",
+    "bytes_digest",
+    "register_device_adapter",
+    "state_digest",
+    "tensor_digest",
+]
+
+# Outputs larger than this are fingerprinted from an evenly strided sample: a different dropout
+# mask differs in a fraction p of its elements, so 64k samples still tell two masks apart, while
+# hashing a 256 MB activation in full would cost a quarter of a second per op.
+_FULL_DIGEST_MAX_ELEMENTS = 1 << 16
+
+
+def bytes_digest(buffer: Any) -> int:
+    """Signed 64-bit blake2b of a bytes-like object."""
+    return int.from_bytes(hashlib.blake2b(buffer, digest_size=8).digest(), "little", signed=True)
+
+
+def _cpu_tensor_digest(t: torch.Tensor) -> int:
+    """Digest of a contiguous CPU tensor's bytes, read in place (no numpy, no copy)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return bytes_digest(b"")
+    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    return bytes_digest(buf)
+
+
+def state_digest(state: torch.Tensor) -> int:
+    """Digest of a generator state as returned by ``Generator.get_state()`` (a CPU byte tensor)."""
+    return _cpu_tensor_digest(state.contiguous())
+
+
+class LazyDigest:
+    """A digest still on the accelerator, fetched to the host only when a comparison needs it.
+
+    Holds one 0-dim device tensor, so forward ops inside a checkpoint region cost no host sync.
+    """
+
+    __slots__ = ("_value", "_pending")
+
+    def __init__(self, pending: torch.Tensor) -> None:
+        self._pending: torch.Tensor | None = pending
+        self._value: int | None = None
+
+    def resolve(self) -> int:
+        if self._pending is not None:
+            self._value = int(self._pending.item())
+            self._pending = None
+        assert self._value is not None
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"LazyDigest({'pending' if self._pending is not None else self._value})"
+
+
+def resolve_digest(d: int | LazyDigest | None) -> int | None:
+    return d.resolve() if isinstance(d, LazyDigest) else d
+
+
+def _plain_data(t: Any) -> torch.Tensor | None:
+    """The tensor whose bytes we may read, or None (fake, meta, functional or unknown subclass)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
+    if local is not None:
+        t = local
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
+        return None
+    if t.layout != torch.strided:
+        return None
+    return t
+
+
+def tensor_digest(value: Any) -> int | LazyDigest | None:
+    """Fingerprint of an op's output (a tensor or a tuple of them). Runs no dispatch modes."""
+    tensors = value if isinstance(value, (tuple, list)) else (value,)
+    parts: list[torch.Tensor] = []
+    for v in tensors:
+        t = _plain_data(v)
+        if t is None:
+            return None
+        parts.append(t)
+    if not parts:
+        return None
+    # The checker's own reads must not be seen by other dispatch modes (a FlopCounterMode below
+    # ours would count them) nor by autograd.
+    with torch._C._DisableTorchDispatch(), torch.no_grad():
+        if all(t.device.type == "cpu" for t in parts):
+            h = hashlib.blake2b(digest_size=8)
+            for t in parts:
+                flat = t.detach().reshape(-1)
+                if flat.numel() > _FULL_DIGEST_MAX_ELEMENTS:
+                    step = flat.numel() // _FULL_DIGEST_MAX_ELEMENTS + 1
+                    flat = flat[::step]
+                flat = flat.contiguous()
+                h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+                nbytes = flat.numel() * flat.element_size()
+                if nbytes:
+                    h.update((ctypes.c_char * nbytes).from_address(flat.data_ptr()))
+            return int.from_bytes(h.digest(), "little", signed=True)
+        total = None
+        for t in parts:
+            flat = t.detach().reshape(-1)
+            if flat.numel() > _FULL_DIGEST_MAX_ELEMENTS:
+                step = flat.numel() // _FULL_DIGEST_MAX_ELEMENTS + 1
+                flat = flat[::step]
+            bits = _as_int(flat.contiguous())
+            weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
+            folded = (bits * (weights * 0x9E3779B1 + 0x7F4A7C15)).sum()
+            total = folded if total is None else total * 1000003 + folded
+        assert total is not None
+        return LazyDigest(total)
+
+
+def _as_int(flat: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a tensor's bits as int64 values, on its own device."""
+    size = flat.element_size()
+    if flat.dtype == torch.bool:
+        return flat.to(torch.int64)
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+        int_dtype = {4: torch.int16, 8: torch.int32, 16: torch.int64}[size]
+    return flat.view(int_dtype).to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device adapters: how to find a device's default generator and digest its state.
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAdapter:
+    """How rngcheck reads the default generator of one device type.
+
+    ``default(device)`` returns a handle (a ``torch.Generator``, or anything ``digest`` accepts);
+    ``digest(handle)`` returns the 64-bit digest, or None when the state cannot be read now (for
+    example during CUDA graph capture, where reading it is not allowed).
+    """
+
+    default: Callable[[torch.device], Any]
+    digest: Callable[[Any], int | None]
+
+
+_ADAPTERS: dict[str, DeviceAdapter] = {}
+
+
+def register_device_adapter(device_type: str, adapter: DeviceAdapter) -> None:
+    """Teach rngcheck a device type's default generator (used by the torch_xla support)."""
+    if device_type in _ADAPTERS:
+        raise ValueError(
+            f"a generator adapter for device type {device_type!r} is already registered; "
+            "register each device type once"
+        )
+    _ADAPTERS[device_type] = adapter
+
+
+def _generator_digest(gen: torch.Generator) -> int | None:
+    if gen.device.type != "cpu" and _capturing(gen.device.type):
+        return None
+    return state_digest(gen.get_state())
+
+
+def _capturing(device_type: str) -> bool:
+    # Reading a philox state during CUDA graph capture is not allowed (and would be meaningless:
+    # the graph replays with offsets decided at replay time).
+    if device_type == "cuda":
+        return bool(torch.cuda.is_current_stream_capturing())
+    return False
+
+
+def _accelerator_default(device: torch.device) -> torch.Generator | None:
+    module = getattr(torch, device.type, None)
+    gens = getattr(module, "default_generators", None)
+    if not gens:
+        return None
+    index = device.index if device.index is not None else module.current_device()
+    return gens[index]
+
+
+register_device_adapter("cpu", DeviceAdapter(lambda _d: torch.default_generator, _generator_digest))
+for _type in ("cuda", "xpu", "mtia", "hpu", "privateuseone"):
+    register_device_adapter(_type, DeviceAdapter(_accelerator_default, _generator_digest))
+
+
+def default_handle(device: torch.device) -> tuple[Any, DeviceAdapter] | None:
+    adapter = _ADAPTERS.get(device.type)
+    if adapter is None:
+        return None
+    handle = adapter.default(device)
+    if handle is None:
+        return None
+    return handle, adapter
+
+
+_GENERATOR_ADAPTER = DeviceAdapter(lambda _d: None, _generator_digest)
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GeneratorId:
+    """A stable name for a generator in reports: "default cpu", "Generator #2 (cpu)"."""
+
+    kind: str  # "default" or "user"
+    device: str
+    number: int = 0  # user generators are numbered in order of first use, from 1
+    origin: str = ""  # "first used at data.py:14"
+
+    @property
+    def is_default(self) -> bool:
+        return self.kind == "default"
+
+    @property
+    def label(self) -> str:
+        if self.is_default:
+            return f"default {self.device}"
+        origin = f", first used at {self.origin}" if self.origin else ""
+        return f"Generator #{self.number} ({self.device}{origin})"
+
+    @property
+    def key(self) -> str:
+        """The part of the identity that must match across ranks and between forward and recompute."""
+        return f"default:{self.device}" if self.is_default else f"user#{self.number}:{self.device}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "device": self.device, "number": self.number, "origin": self.origin}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GeneratorId:
+        return cls(
+            kind=str(data["kind"]),
+            device=str(data["device"]),
+            number=int(data.get("number", 0)),
+            origin=str(data.get("origin", "")),
+        )
+
+
+def _device_str(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    if device.index is None:
+        module = getattr(torch, device.type, None)
+        current = getattr(module, "current_device", None)
+        if current is not None:
+            try:
+                return f"{device.type}:{current()}"
+            except Exception:  # noqa: BLE001 - a device module without a usable current device
+                return device.type
+    return str(device)
+
+
+class _Tracked:
+    """What the registry knows about one generator: its name, its last digest, its seed."""
+
+    __slots__ = ("ident", "handle", "adapter", "last_after", "initial_seed", "seed_mark", "ref")
+
+    def __init__(self, ident: GeneratorId, handle: Any, adapter: DeviceAdapter, ref: Any) -> None:
+        self.ident = ident
+        self.handle = handle
+        self.adapter = adapter
+        self.last_after: int | None = None
+        self.initial_seed: int | None = None
+        self.seed_mark = 0  # the seeding-call counter at this generator's last op
+        self.ref = ref
+
+
+class GeneratorRegistry:
+    """Names the generators a mode sees and remembers each one's state after its last op.
+
+    User generators are held by weak reference, keyed by ``id()`` and checked against reuse.
+    """
+
+    def __init__(self) -> None:
+        self._defaults: dict[str, _Tracked] = {}
+        self._users: dict[int, _Tracked] = {}
+        self._user_count = 0
+
+    def default(self, device: torch.device) -> _Tracked | None:
+        name = _device_str(device)
+        tracked = self._defaults.get(name)
+        if tracked is None:
+            found = default_handle(device)
+            if found is None:
+                return None
+            handle, adapter = found
+            tracked = _Tracked(GeneratorId(kind="default", device=name), handle, adapter, None)
+            self._defaults[name] = tracked
+        return tracked
+
+    def user(self, gen: torch.Generator, origin: Callable[[], str]) -> _Tracked:
+        if gen is torch.default_generator:
+            tracked = self.default(torch.device("cpu"))
+            assert tracked is not None
+            return tracked
+        key = id(gen)
+        tracked = self._users.get(key)
+        if tracked is not None and tracked.ref() is gen:
+            return tracked
+        for default in self._defaults.values():
+            if default.handle is gen:  # a device's default generator passed explicitly
+                return default
+        if gen.device.type != "cpu":
+            found = default_handle(gen.device)
+            if found is not None and found[0] is gen:
+                return self.default(gen.device)  # type: ignore[return-value]
+        self._user_count += 1
+        ident = GeneratorId(
+            kind="user", device=_device_str(gen.device), number=self._user_count, origin=origin()
+        )
+        tracked = _Tracked(ident, gen, _GENERATOR_ADAPTER, weakref.ref(gen, self._forget(key)))
+        self._users[key] = tracked
+        return tracked
+
+    def _forget(self, key: int) -> Callable[[Any], None]:
+        users = self._users
+
+        def forget(_ref: Any) -> None:
+            users.pop(key, None)
+
+        return forget
+
+    def tracked(self) -> list[_Tracked]:
+        return [*self._defaults.values(), *self._users.values()]
+
+    def find(self, gen: Any) -> _Tracked | None:
+        """The tracked entry for a generator object, if this registry has seen it."""
+        for t in self.tracked():
+            if t.handle is gen:
+                return t
+        return None

@@ -1,0 +1,461 @@
+"""RNGConsistencyMode: the public checker. It owns the configuration, the events and the report,
+and pushes a private dispatch mode that only intercepts.
+
+Data flows one way: op -> event -> (recompute check | rank exchange) -> finding -> report -> render.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import recompute as _recompute
+from .config import Config
+from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
+from .generators import GeneratorRegistry, tensor_digest
+from .ops import OpKind, classify, op_device, op_generator, op_name, summarize_args
+from .policy import current_expectation
+from .recompute import RecomputeTracker
+from .report import Finding, Note, Report, error_for
+from .seeding import SeedCallLog
+from .stacks import Stack
+
+__all__ = ["RNGCheckWarning", "RNGConsistencyMode", "active_mode"]
+
+log = logging.getLogger(__name__)
+
+_ACTIVE: RNGConsistencyMode | None = None
+_ACTIVE_LOCK = threading.Lock()
+_MAX_FINDINGS = 100  # past this, findings are counted, not kept (a broken loop reports once)
+_MAX_NOTE_SITES = 64
+
+
+class RNGCheckWarning(UserWarning):
+    """Warned for a finding when ``on_finding="warn"``."""
+
+
+def active_mode() -> RNGConsistencyMode | None:
+    """The RNGConsistencyMode active in this process, if any."""
+    return _ACTIVE
+
+
+class _KindTable(dict):
+    """op -> OpKind, classifying an op the first time it is looked up."""
+
+    def __missing__(self, func: Any) -> OpKind:
+        kind = self[func] = classify(func)
+        return kind
+
+
+class _Interceptor(TorchDispatchMode):
+    """The private dispatch mode. Non-random ops cost one dict lookup over a no-op mode."""
+
+    def __init__(self, checker: RNGConsistencyMode) -> None:
+        super().__init__()
+        self._kinds = _KindTable()
+        self._checker = checker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if not self._kinds[func]:
+            return func(*args, **(kwargs or {}))
+        return self._checker._on_special(self._kinds[func], func, args, kwargs or {})
+
+
+class RNGConsistencyMode:
+    """Checks every random op for RNG drift across ranks and between checkpoint passes.
+
+    Use it as a context manager around training (or let ``RNGCHECK=1`` start it)::
+
+        with rngcheck.RNGConsistencyMode() as mode:
+            train()
+        print(mode.report.ok)
+
+    Args:
+        group: the ranks that must agree by default: a ProcessGroup, a list of ranks, a DeviceMesh
+            or mesh dimension names. None: the whole world. Only matters with several ranks.
+        expect: the default expectation, ``"same"``, ``"differ"`` or ``"ignore"``.
+        sync: when ranks exchange digests: ``"op"`` (at every random op, exact and blocking),
+            ``"step"`` (at optimizer steps, every ``every`` random ops, ``check()`` and exit) or
+            ``"off"`` (no cross-rank check).
+        on_finding: ``"raise"`` (render, then raise an RNGCheckError at the point of detection),
+            ``"warn"`` (render and warn once per call site) or ``"record"`` (keep it in the report).
+        check_recompute: compare each activation-checkpoint recompute with its forward.
+        window: how many recent random-op events to keep in memory.
+        every: with ``sync="step"``, also exchange after this many random ops.
+        timeout: seconds to wait for other ranks at an exchange before a ``rank_missing`` finding.
+        trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
+        report_path: a path to write this rank's JSON report to at exit.
+        console: a ``rich.console.Console`` to render findings on (default: stderr).
+
+    Known limitations:
+        Random ops on threads that did not enter the mode are not intercepted (their effect on a
+        shared generator shows as an out-of-band change). ``Generator.manual_seed``/``set_state``
+        on user generators are seen as changes without a call site. Ops inside compiled graphs
+        (torch.compile) are not seen individually. Seeding functions imported by name before the
+        mode started (``from torch import manual_seed``) are not attributed.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: Any = None,
+        expect: str = "same",
+        sync: str = "step",
+        on_finding: str = "raise",
+        check_recompute: bool = True,
+        window: int = 4096,
+        every: int = 1024,
+        timeout: float = 120.0,
+        trace: str | None = None,
+        report_path: str | None = None,
+        console: Any = None,
+    ) -> None:
+        self.config = Config(
+            group=group,
+            expect=expect,
+            sync=sync,
+            on_finding=on_finding,
+            check_recompute=check_recompute,
+            window=window,
+            every=every,
+            timeout=timeout,
+            trace=trace,
+            report_path=report_path,
+        )
+        self.console = console
+        self._report = Report()
+        self._window = EventWindow(size=window)
+        self._generators = GeneratorRegistry()
+        self._seeds = SeedCallLog()
+        self._interceptor: _Interceptor | None = None
+        self.recompute_tracker: RecomputeTracker | None = None
+        self._ranks: Any = None
+        self._entered = False
+        self._warned: set[tuple[str, str]] = set()
+        self._dropped_findings = 0
+        self._backward_sites: dict[str, list[Any]] = {}
+        self._lock = threading.RLock()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> RNGConsistencyMode:
+        global _ACTIVE
+        with _ACTIVE_LOCK:
+            if self._entered:
+                raise RuntimeError(
+                    "this RNGConsistencyMode is already active; it cannot be entered again while "
+                    "it runs. Use one `with` block around the code to check."
+                )
+            if _ACTIVE is not None:
+                raise RuntimeError(
+                    "another RNGConsistencyMode is already active in this process (RNGCHECK=1 "
+                    "or the pytest --rngcheck option may have started one); exit it before "
+                    "entering a new one, or use rngcheck.active_mode() to reach it."
+                )
+            self._entered = True
+            _ACTIVE = self
+        try:
+            self._seeds.install()
+            if self.config.check_recompute:
+                self.recompute_tracker = RecomputeTracker(self._emit)
+                self.recompute_tracker.install()
+            _recompute.set_active_checker(self)
+            self._ranks = self._start_ranks()
+            self._interceptor = _Interceptor(self)
+            self._interceptor.__enter__()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if self._interceptor is not None:
+                self._interceptor.__exit__(exc_type, exc, tb)
+                self._interceptor = None
+            # The final exchange only when the block ended normally: after an exception, other
+            # ranks may never arrive, and the user's exception is the one to see.
+            if self._ranks is not None and exc_type is None:
+                self._ranks.finish()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        global _ACTIVE
+        try:
+            if self._interceptor is not None:
+                self._interceptor.__exit__(None, None, None)
+                self._interceptor = None
+            if self._ranks is not None:
+                self._ranks.close()
+            if self.recompute_tracker is not None:
+                self.recompute_tracker.uninstall()
+            self._seeds.uninstall()
+            _recompute.set_active_checker(None)
+            self._finalize_report()
+            self._write_outputs()
+        finally:
+            with _ACTIVE_LOCK:
+                if _ACTIVE is self:
+                    _ACTIVE = None
+                self._entered = False
+
+    def _start_ranks(self) -> Any:
+        if self.config.sync == "off":
+            return None
+        from . import ranks
+
+        return ranks.start(self)
+
+    def check(self) -> Report:
+        """Exchange with the other ranks now (with several ranks) and return the report."""
+        if self._ranks is not None:
+            self._ranks.check()
+        return self.report
+
+    # -- results -------------------------------------------------------------------------------
+
+    @property
+    def report(self) -> Report:
+        self._finalize_report()
+        return self._report
+
+    @property
+    def events(self) -> list[RandomOpEvent]:
+        """The most recent random-op events (up to ``window`` of them), oldest first."""
+        return list(self._window.events)
+
+    def _finalize_report(self) -> None:
+        r = self._report
+        r.random_ops = self._window.total
+        r.ops_by_name = dict(self._window.by_op)
+        r.ops_by_generator = dict(self._window.by_generator)
+        notes = [n for n in r.notes if n.kind != "backward_random_ops"]
+        for site, (count, stack, op) in self._backward_sites.items():
+            notes.append(
+                Note(
+                    kind="backward_random_ops",
+                    message=(
+                        f"{count} random op(s) ({op}) ran during backward outside any checkpoint "
+                        f"region rngcheck knows about, at {site}. Fresh randomness in backward is "
+                        "how rematerialised graphs redraw dropout (pytorch issue 190758); if this "
+                        "is a recompute, mark it with rngcheck.checkpoint_region."
+                    ),
+                    count=count,
+                    stack=stack,
+                )
+            )
+        if self._dropped_findings:
+            notes.append(
+                Note(
+                    kind="findings_dropped",
+                    message=f"{self._dropped_findings} further finding(s) were not kept.",
+                    count=self._dropped_findings,
+                )
+            )
+        r.notes = notes
+
+    def _write_outputs(self) -> None:
+        if self.config.report_path:
+            try:
+                self._report.save(self.config.report_path)
+            except OSError as e:
+                warnings.warn(
+                    f"rngcheck could not write its report to {self.config.report_path}: {e}",
+                    RNGCheckWarning,
+                    stacklevel=3,
+                )
+        if self.config.trace:
+            from .trace import write_trace
+
+            try:
+                write_trace(self.config.trace, self._trace_events(), self._report)
+            except OSError as e:
+                warnings.warn(
+                    f"rngcheck could not write its trace to {self.config.trace}: {e}",
+                    RNGCheckWarning,
+                    stacklevel=3,
+                )
+
+    def _trace_events(self) -> list[RandomOpEvent]:
+        return list(self._window.events)
+
+    # -- the random-op path --------------------------------------------------------------------
+
+    def _on_special(self, kind: OpKind, func: Any, args: tuple, kwargs: dict) -> Any:
+        if kind is OpKind.RANDOM:
+            return self._on_random(func, args, kwargs)
+        if self._ranks is not None:
+            self._ranks.on_collective(func)
+        return func(*args, **kwargs)
+
+    def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        gen_arg = op_generator(args, kwargs)
+        device = op_device(args, kwargs)
+        if device.type == "meta":
+            return func(*args, **kwargs)
+        registry = self._generators
+        tracked = (
+            registry.user(gen_arg, _first_use_site) if gen_arg is not None else registry.default(device)
+        )
+        if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
+            return func(*args, **kwargs)
+        digest = tracked.adapter.digest
+        before = digest(tracked.handle)
+        oob = None
+        if before is not None and tracked.last_after is not None and before != tracked.last_after:
+            oob = self._out_of_band(tracked)
+        seed_mark = self._seeds.counter
+
+        out = func(*args, **kwargs)
+
+        after = digest(tracked.handle)
+        tracked.last_after = after
+        tracked.seed_mark = seed_mark
+        if isinstance(tracked.handle, torch.Generator):
+            tracked.initial_seed = tracked.handle.initial_seed()
+        tracker = self.recompute_tracker
+        in_region = tracker is not None and tracker.active()
+        event = RandomOpEvent(
+            seq=self._window.total,
+            op=op_name(func),
+            generator=tracked.ident,
+            device=tracked.ident.device,
+            args=summarize_args(func, args, kwargs),
+            before=before,
+            after=after,
+            phase=self._phase(),
+            stack=Stack.capture(skip=2),
+            expect=self._expectation(),
+            output=tensor_digest(out) if in_region else None,
+            out_of_band=oob,
+            region=tracker.innermost() if in_region else "",
+        )
+        self._record(event)
+        return out
+
+    def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """A random op that a selective-checkpoint cache answered without running it."""
+        device = op_device(args, kwargs)
+        gen_arg = op_generator(args, kwargs)
+        registry = self._generators
+        tracked = (
+            registry.user(gen_arg, _first_use_site) if gen_arg is not None else registry.default(device)
+        )
+        if tracked is None:
+            return
+        tracker = self.recompute_tracker
+        event = RandomOpEvent(
+            seq=self._window.total,
+            op=op_name(func),
+            generator=tracked.ident,
+            device=tracked.ident.device,
+            args=summarize_args(func, args, kwargs),
+            before=None,
+            after=None,
+            phase=Phase.RECOMPUTE,
+            stack=Stack.capture(skip=3),
+            expect=self._expectation(),
+            cached=True,
+            region=tracker.innermost() if tracker is not None else "",
+        )
+        self._record(event)
+
+    def _record(self, event: RandomOpEvent) -> None:
+        self._window.add(event)
+        if event.phase is Phase.BACKWARD:
+            self._note_backward(event)
+        if self.recompute_tracker is not None:
+            self.recompute_tracker.on_event(event)
+        if self._ranks is not None and event.expect != "ignore":
+            self._ranks.on_event(event)
+
+    def _phase(self) -> Phase:
+        tracker = self.recompute_tracker
+        if tracker is not None and tracker.in_recompute():
+            return Phase.RECOMPUTE
+        if torch._C._current_graph_task_id() != -1:
+            return Phase.BACKWARD
+        return Phase.FORWARD
+
+    def _expectation(self) -> str:
+        exp = current_expectation()
+        return exp.policy if exp is not None else self.config.expect
+
+    def _out_of_band(self, tracked: Any) -> OutOfBandChange:
+        calls = self._seeds.since(tracked.seed_mark, tracked.ident.device)
+        new_seed = None
+        handle = tracked.handle
+        if isinstance(handle, torch.Generator) and tracked.initial_seed is not None:
+            seed = handle.initial_seed()
+            if seed != tracked.initial_seed:
+                new_seed = seed
+        return OutOfBandChange(calls=calls, new_seed=new_seed)
+
+    def _note_backward(self, event: RandomOpEvent) -> None:
+        site = event.site
+        entry = self._backward_sites.get(site)
+        if entry is not None:
+            entry[0] += 1
+        elif len(self._backward_sites) < _MAX_NOTE_SITES:
+            self._backward_sites[site] = [1, event.stack, event.op]
+
+    # -- findings ------------------------------------------------------------------------------
+
+    def _emit(self, finding: Finding) -> None:
+        """Record a finding; render it; warn or raise as configured."""
+        with self._lock:
+            if len(self._report.findings) >= _MAX_FINDINGS:
+                self._dropped_findings += 1
+                return
+            self._report.findings.append(finding)
+        policy = self.config.on_finding
+        if policy == "record":
+            return
+        if self._should_render(finding):
+            from .render import print_finding
+
+            print_finding(finding, console=self.console)
+        if policy == "warn":
+            self._warn(finding)
+            return
+        raise error_for(finding)
+
+    def _should_render(self, finding: Finding) -> bool:
+        """One merged rendering per finding: with several ranks, the lowest involved rank draws."""
+        if self._ranks is None:
+            return True
+        return bool(self._ranks.renders(finding))
+
+    def _warn(self, finding: Finding) -> None:
+        site = finding.stack.call_site
+        key = (finding.kind.value, site.location if site else "")
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        message = f"rngcheck: {finding.title}: {finding.message}"
+        if site is not None:
+            warnings.warn_explicit(message, RNGCheckWarning, site.filename, site.lineno)
+        else:
+            warnings.warn(message, RNGCheckWarning, stacklevel=2)
+
+
+def _first_use_site() -> str:
+    site = Stack.capture(skip=3).call_site
+    return site.short_location if site is not None else ""
+
+
+def run_checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """Run ``fn(*args, **kwargs)`` under a recording RNGConsistencyMode and return its report.
+
+    Meant for plain assertions in tests: ``assert rngcheck.run_checked(step).ok``.
+    """
+    with RNGConsistencyMode(on_finding="record") as mode:
+        fn(*args, **kwargs)
+    return mode.report

@@ -1,0 +1,147 @@
+"""Which ops are random, which generator and device an op draws from, and how to summarise its
+arguments for a report.
+
+An op is random when it carries ``torch.Tag.nondeterministic_seeded`` (114 aten overloads on torch
+2.13: dropout, bernoulli, rand*, randn*, randperm, normal, uniform_, SDPA kernels, ...) or when it
+was registered with :func:`register_random_op` (custom ops that draw from a torch generator without
+the tag). Every op is classified once; the dispatch mode's hot path is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+__all__ = ["OpKind", "classify", "op_name", "register_random_op", "summarize_args"]
+
+
+class OpKind(enum.IntEnum):
+    PASS = 0  # not random: straight through
+    RANDOM = 1  # draws from a generator
+    COLLECTIVE = 2  # a torch.distributed collective: an alignment point for the rank exchange
+
+
+_EXTRA_RANDOM: set[OpOverload] = set()
+_CLASSIFIED: dict[Any, OpKind] = {}
+
+
+def register_random_op(*ops: OpOverload | OpOverloadPacket) -> None:
+    """Treat ops without the ``nondeterministic_seeded`` tag as random.
+
+    Accepts overloads (``torch.ops.mylib.noise.default``) or packets (every overload of
+    ``torch.ops.mylib.noise``). Registering an op twice, or one that already carries the tag, is an
+    error: it usually means two libraries disagree about an op.
+    """
+    overloads: list[OpOverload] = []
+    for op in ops:
+        if isinstance(op, OpOverloadPacket):
+            overloads.extend(getattr(op, name) for name in op.overloads())
+        elif isinstance(op, OpOverload):
+            overloads.append(op)
+        else:
+            raise TypeError(
+                f"register_random_op expects torch ops such as torch.ops.aten.bernoulli_.float or "
+                f"torch.ops.mylib.noise, got {type(op).__name__} {op!r}"
+            )
+    for op in overloads:
+        if op in _EXTRA_RANDOM or torch.Tag.nondeterministic_seeded in op.tags:
+            raise ValueError(
+                f"{op} is already treated as random (registered before, or tagged "
+                "nondeterministic_seeded); register each op once"
+            )
+    for op in overloads:
+        _EXTRA_RANDOM.add(op)
+        _CLASSIFIED.pop(op, None)
+
+
+def _is_collective(func: Any) -> bool:
+    return getattr(func, "namespace", None) == "c10d" and not func.__name__.startswith("wait")
+
+
+def classify(func: Any) -> OpKind:
+    """Classify an op (cached). Called on the first sight of every op, so it may be slowish."""
+    kind = _CLASSIFIED.get(func)
+    if kind is None:
+        if func in _EXTRA_RANDOM or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            kind = OpKind.RANDOM
+        elif _is_collective(func):
+            kind = OpKind.COLLECTIVE
+        else:
+            kind = OpKind.PASS
+        _CLASSIFIED[func] = kind
+    return kind
+
+
+def op_name(func: Any) -> str:
+    """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them."""
+    return str(func)
+
+
+def _describe_value(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}{list(value.shape)}"
+    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+        return str(value).removeprefix("torch.") if not isinstance(value, str) else repr(value)
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(v, (int, torch.SymInt)) for v in value):
+            return str(list(value))
+        inner = [_describe_value(v) for v in value]
+        return "[" + ", ".join(i for i in inner if i is not None) + "]"
+    if value is None or isinstance(value, torch.Generator):
+        return None
+    return type(value).__name__
+
+
+def summarize_args(func: Any, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """A readable, comparable summary: tensor dtypes and shapes, scalars by name (``p=0.1``)."""
+    schema_args = getattr(getattr(func, "_schema", None), "arguments", ())
+    out: list[str] = []
+    for i, value in enumerate(args):
+        text = _describe_value(value)
+        if text is None:
+            continue
+        name = schema_args[i].name if i < len(schema_args) else f"arg{i}"
+        out.append(text if isinstance(value, torch.Tensor) else f"{name}={text}")
+    for name, value in kwargs.items():
+        if name in ("generator", "pin_memory", "memory_format"):
+            continue
+        text = _describe_value(value)
+        if text is not None:
+            out.append(f"{name}={text}")
+    return tuple(out)
+
+
+def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def op_device(args: tuple, kwargs: dict) -> torch.device:
+    """The device an op runs on: its first tensor's, else a factory op's ``device=``, else CPU."""
+    for t in _tensors(args):
+        return t.device
+    for t in _tensors(kwargs.values()):
+        return t.device
+    device = kwargs.get("device")
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cpu")
+
+
+def op_generator(args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The ``generator=`` an op was given, if any."""
+    gen = kwargs.get("generator")
+    if gen is not None:
+        return gen
+    for v in args:
+        if isinstance(v, torch.Generator):
+            return v
+    return None

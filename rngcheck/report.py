@@ -1,0 +1,310 @@
+"""Findings, the report that collects them, and the errors raised for them. Data only: drawing is
+``render.py``'s job. Reports serialise to JSON (never pickle) and load back for the CLI."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import RandomOpEvent
+from .stacks import Stack
+
+__all__ = [
+    "Finding",
+    "FindingKind",
+    "Note",
+    "RNGCheckError",
+    "RankCollisionError",
+    "RankDivergenceError",
+    "RankMissingError",
+    "RecomputeMismatchError",
+    "Report",
+    "Side",
+]
+
+REPORT_FORMAT = 1
+
+
+class FindingKind(str, enum.Enum):
+    RANK_DIVERGENCE = "rank_divergence"
+    RANK_COLLISION = "rank_collision"
+    RECOMPUTE_MISMATCH = "recompute_mismatch"
+    RANK_MISSING = "rank_missing"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Compact rank ranges the way torch's ``_summarize_ranks`` prints them: ``0:4,6``."""
+    ordered = sorted(set(ranks))
+    if not ordered:
+        return "-"
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}:{prev + 1}")
+        if r is not None:
+            start = prev = r
+    return ",".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Side:
+    """One side of a comparison: the forward or the recompute, or a group of ranks."""
+
+    label: str  # "forward", "recompute", "ranks 0:3"
+    ranks: tuple[int, ...] = ()
+    event: RandomOpEvent | None = None  # the op this side ran at the point of divergence
+    note: str = ""  # what this side did instead, when it ran no op there ("ran no random op")
+
+    @property
+    def stack(self) -> Stack:
+        return self.event.stack if self.event is not None else Stack.empty()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "ranks": list(self.ranks),
+            "event": self.event.to_dict() if self.event is not None else None,
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Side:
+        ev = data.get("event")
+        return cls(
+            label=data["label"],
+            ranks=tuple(data.get("ranks", ())),
+            event=RandomOpEvent.from_dict(ev) if ev else None,
+            note=data.get("note", ""),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Finding:
+    """Something went wrong with randomness: what, where (both sides), and the likely cause."""
+
+    kind: FindingKind
+    message: str  # one sentence: what diverged
+    op: str  # the first op where it diverged
+    cause: str = ""  # the likely cause in words, with call sites where known
+    differs: str = ""  # which element differs first: "op", "argument", "generator", "state", ...
+    ranks: tuple[int, ...] = ()  # ranks involved (empty in a single process)
+    region: str = ""  # the checkpoint region, for recompute findings
+    stack: Stack = field(default_factory=Stack.empty)  # this side's (or the majority's) call site
+    other_stack: Stack | None = None  # the other side's, where a finding compares two sides
+    sides: tuple[Side, ...] = ()
+    seq: int = -1  # the random op's sequence number
+    context: tuple[RandomOpEvent, ...] = ()  # events around the finding, for saved reports
+
+    @property
+    def title(self) -> str:
+        return {
+            FindingKind.RANK_DIVERGENCE: "RNG state diverged across ranks",
+            FindingKind.RANK_COLLISION: "ranks that must differ share an RNG state",
+            FindingKind.RECOMPUTE_MISMATCH: "checkpoint recompute drew different random numbers",
+            FindingKind.RANK_MISSING: "a rank stopped reaching the RNG check",
+        }[self.kind]
+
+    @property
+    def site(self) -> str:
+        return self.stack.describe()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "message": self.message,
+            "op": self.op,
+            "cause": self.cause,
+            "differs": self.differs,
+            "ranks": list(self.ranks),
+            "region": self.region,
+            "stack": self.stack.to_list(),
+            "other_stack": self.other_stack.to_list() if self.other_stack is not None else None,
+            "sides": [s.to_dict() for s in self.sides],
+            "seq": self.seq,
+            "context": [e.to_dict() for e in self.context],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Finding:
+        other = data.get("other_stack")
+        return cls(
+            kind=FindingKind(data["kind"]),
+            message=data["message"],
+            op=data.get("op", ""),
+            cause=data.get("cause", ""),
+            differs=data.get("differs", ""),
+            ranks=tuple(data.get("ranks", ())),
+            region=data.get("region", ""),
+            stack=Stack.from_list(data.get("stack", [])),
+            other_stack=Stack.from_list(other) if other is not None else None,
+            sides=tuple(Side.from_dict(s) for s in data.get("sides", [])),
+            seq=int(data.get("seq", -1)),
+            context=tuple(RandomOpEvent.from_dict(e) for e in data.get("context", [])),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Note:
+    """Something worth knowing that is not a finding (fresh randomness during backward, say)."""
+
+    kind: str
+    message: str
+    count: int = 1
+    stack: Stack = field(default_factory=Stack.empty)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "message": self.message,
+            "count": self.count,
+            "stack": self.stack.to_list(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Note:
+        return cls(
+            kind=data["kind"],
+            message=data["message"],
+            count=int(data.get("count", 1)),
+            stack=Stack.from_list(data.get("stack", [])),
+        )
+
+
+@dataclass(slots=True, kw_only=True)
+class Report:
+    """What one checker run found. ``ok`` is True when there are no findings."""
+
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    random_ops: int = 0
+    ops_by_name: dict[str, int] = field(default_factory=dict)
+    ops_by_generator: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def raise_if_findings(self) -> None:
+        """Raise the error of the first finding (the one a user should fix first), if any."""
+        if self.findings:
+            raise error_for(self.findings[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": REPORT_FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "random_ops": self.random_ops,
+            "ops_by_name": dict(self.ops_by_name),
+            "ops_by_generator": dict(self.ops_by_generator),
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": [n.to_dict() for n in self.notes],
+            "meta": dict(self.meta),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Report:
+        if data.get("format") != REPORT_FORMAT:
+            raise ValueError(
+                f"unsupported rngcheck report format {data.get('format')!r}; this rngcheck reads "
+                f"format {REPORT_FORMAT}. Re-create the report with this version."
+            )
+        return cls(
+            findings=[Finding.from_dict(f) for f in data.get("findings", [])],
+            notes=[Note.from_dict(n) for n in data.get("notes", [])],
+            random_ops=int(data.get("random_ops", 0)),
+            ops_by_name=dict(data.get("ops_by_name", {})),
+            ops_by_generator=dict(data.get("ops_by_generator", {})),
+            rank=int(data.get("rank", 0)),
+            world_size=int(data.get("world_size", 1)),
+            meta=dict(data.get("meta", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the report as JSON atomically: readers see the old file or the new, never half."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".rngcheck-", suffix=".json.tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with _suppress_oserror():
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Report:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(f.read())
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return exc_type is not None and issubclass(exc_type, OSError)
+
+
+class RNGCheckError(RuntimeError):
+    """Raised for a finding when ``on_finding="raise"``; ``.finding`` carries the details."""
+
+    def __init__(self, finding: Finding) -> None:
+        self.finding = finding
+        where = f" at {finding.site}" if finding.stack.frames else ""
+        cause = f"\nLikely cause: {finding.cause}" if finding.cause else ""
+        super().__init__(f"{finding.title}: {finding.message}{where}{cause}")
+
+
+class RankDivergenceError(RNGCheckError):
+    """Ranks that must hold the same RNG state do not."""
+
+
+class RankCollisionError(RNGCheckError):
+    """Ranks that must hold different RNG states share one."""
+
+
+class RecomputeMismatchError(RNGCheckError):
+    """A checkpoint recompute drew different random numbers than its forward."""
+
+
+class RankMissingError(RNGCheckError):
+    """A rank did not reach the RNG exchange in time."""
+
+
+_ERRORS: dict[FindingKind, type[RNGCheckError]] = {
+    FindingKind.RANK_DIVERGENCE: RankDivergenceError,
+    FindingKind.RANK_COLLISION: RankCollisionError,
+    FindingKind.RECOMPUTE_MISMATCH: RecomputeMismatchError,
+    FindingKind.RANK_MISSING: RankMissingError,
+}
+
+
+def error_for(finding: Finding) -> RNGCheckError:
+    return _ERRORS[finding.kind](finding)

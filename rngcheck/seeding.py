@@ -1,0 +1,141 @@
+"""Call sites of the Python APIs that reseed or overwrite generators, noted while a mode is active.
+
+An out-of-band change on its own is normal (seeding); it only matters when it explains a finding:
+"rank 1 called torch.manual_seed(1) at train.py:12". So the patched APIs only append a cheap
+record; nothing is compared here. Every patch is undone on exit.
+
+``Generator.manual_seed`` and ``Generator.set_state`` are methods of a C type and cannot be
+patched; for those the checker still sees the change (the state differs from the one after the
+last op) and reports the new ``initial_seed()``, without a call site.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .events import SeedCall
+from .stacks import Stack, is_internal_file
+
+__all__ = ["SeedCallLog"]
+
+# (module path, attribute, which default generators it changes, how to describe its argument)
+_ALL = "*"
+_CPU = "cpu"
+
+
+def _seed_arg(args: tuple, kwargs: dict) -> str:
+    value = args[0] if args else kwargs.get("seed", "")
+    return str(value)
+
+
+def _state_arg(_args: tuple, _kwargs: dict) -> str:
+    return "<state>"
+
+
+def _no_arg(_args: tuple, _kwargs: dict) -> str:
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    module: str
+    name: str
+    affects: str  # "*" (every default generator), "cpu", or a device type ("cuda")
+    describe: Callable[[tuple, dict], str]
+
+
+_TARGETS: list[_Target] = [
+    _Target("torch", "manual_seed", _ALL, _seed_arg),
+    _Target("torch.random", "manual_seed", _ALL, _seed_arg),
+    _Target("torch", "seed", _ALL, _no_arg),
+    _Target("torch.random", "seed", _ALL, _no_arg),
+    _Target("torch", "set_rng_state", _CPU, _state_arg),
+    _Target("torch.random", "set_rng_state", _CPU, _state_arg),
+    _Target("torch.cuda", "manual_seed", "cuda", _seed_arg),
+    _Target("torch.cuda", "manual_seed_all", "cuda", _seed_arg),
+    _Target("torch.cuda", "seed", "cuda", _no_arg),
+    _Target("torch.cuda", "seed_all", "cuda", _no_arg),
+    _Target("torch.cuda", "set_rng_state", "cuda", _state_arg),
+    _Target("torch.cuda", "set_rng_state_all", "cuda", _state_arg),
+    _Target("torch.cuda.random", "manual_seed", "cuda", _seed_arg),
+    _Target("torch.cuda.random", "manual_seed_all", "cuda", _seed_arg),
+    _Target("torch.cuda.random", "set_rng_state", "cuda", _state_arg),
+    _Target("torch.cuda.random", "set_rng_state_all", "cuda", _state_arg),
+]
+
+
+def register_seed_api(
+    module: str, name: str, affects: str, describe: Callable[[tuple, dict], str] = _seed_arg
+) -> None:
+    """Add a seeding API to watch (the torch_xla support adds ``xm.set_rng_state``)."""
+    if any(t.module == module and t.name == name for t in _TARGETS):
+        raise ValueError(f"{module}.{name} is already watched")
+    _TARGETS.append(_Target(module, name, affects, describe))
+
+
+def _affects(affects: str, device: str) -> bool:
+    return affects == _ALL or device == affects or device.startswith(affects + ":")
+
+
+class SeedCallLog:
+    """The recent seeding calls, numbered so a generator can ask "what happened since my last op"."""
+
+    def __init__(self, maxlen: int = 256) -> None:
+        self._calls: deque[tuple[int, str, SeedCall]] = deque(maxlen=maxlen)
+        self.counter = 0
+        self._depth = 0
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def since(self, mark: int, device: str) -> tuple[SeedCall, ...]:
+        return tuple(c for n, aff, c in self._calls if n > mark and _affects(aff, device))
+
+    def install(self) -> None:
+        for target in _TARGETS:
+            module = sys.modules.get(target.module)
+            if module is None:
+                continue
+            original = getattr(module, target.name, None)
+            if original is None:
+                continue
+            self._saved.append((module, target.name, original))
+            setattr(module, target.name, self._wrap(original, target))
+
+    def uninstall(self) -> None:
+        saved, self._saved = self._saved, []
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+
+    def _wrap(self, original: Callable[..., Any], target: _Target) -> Callable[..., Any]:
+        api = f"{target.module}.{target.name}"
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
+                caller = sys._getframe(1).f_code.co_filename
+                self.counter += 1
+                call = SeedCall(
+                    api=api,
+                    argument=target.describe(args, kwargs),
+                    stack=Stack.capture(skip=1),
+                    by_torch=is_internal_file(caller)
+                    and caller.startswith(_TORCH_DIR),
+                )
+                self._calls.append((self.counter, target.affects, call))
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        wrapper.__rngcheck_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"

@@ -1,0 +1,149 @@
+"""Call stacks captured cheaply at a random op and summarised only when a report needs them.
+
+A record must not keep frames (they pin every local of the training step) or tensors alive, so a
+stack is captured as a ``CapturedTraceback`` (~4 us, code objects and offsets only) and turned into
+plain :class:`Frame` records the first time anything reads it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._traceback import CapturedTraceback
+
+__all__ = ["Frame", "Stack", "is_internal_file"]
+
+
+def _dir_of(module_file: str) -> str:
+    return os.path.dirname(os.path.abspath(module_file)) + os.sep
+
+
+_INTERNAL_PREFIXES: tuple[str, ...] = tuple(
+    {
+        _dir_of(torch.__file__),
+        _dir_of(__file__),
+        os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
+    }
+)
+# Frames from the test runner and plugin machinery are not the user's line either.
+_INTERNAL_PARTS = (
+    f"{os.sep}_pytest{os.sep}",
+    f"{os.sep}pluggy{os.sep}",
+    f"{os.sep}torch_xla{os.sep}",
+    f"{os.sep}hypothesis{os.sep}",
+)
+
+
+def is_internal_file(filename: str) -> bool:
+    """Whether a frame in ``filename`` belongs to torch, rngcheck, the stdlib or a test runner."""
+    if filename.startswith("<"):
+        return filename != "<stdin>" and not filename.startswith("<ipython")
+    path = os.path.abspath(filename)
+    return path.startswith(_INTERNAL_PREFIXES) or any(p in path for p in _INTERNAL_PARTS)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    """One call-stack frame: where, which function, the source line, and whether it is the user's."""
+
+    filename: str
+    lineno: int
+    name: str
+    line: str = ""
+    user: bool = True
+
+    @property
+    def location(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+    @property
+    def short_location(self) -> str:
+        return f"{os.path.basename(self.filename)}:{self.lineno}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "filename": self.filename,
+            "lineno": self.lineno,
+            "name": self.name,
+            "line": self.line,
+            "user": self.user,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Frame:
+        return cls(
+            filename=str(data["filename"]),
+            lineno=int(data["lineno"]),
+            name=str(data["name"]),
+            line=str(data.get("line", "")),
+            user=bool(data.get("user", True)),
+        )
+
+
+class Stack:
+    """A call stack, outermost frame first.
+
+    Built from a captured traceback (summarised lazily, once) or from frames (a loaded report).
+    """
+
+    __slots__ = ("_tb", "_frames")
+
+    def __init__(self, tb: CapturedTraceback | None = None, frames: tuple[Frame, ...] = ()):
+        self._tb = tb
+        self._frames: tuple[Frame, ...] | None = None if tb is not None else tuple(frames)
+
+    @classmethod
+    def capture(cls, skip: int = 0) -> Stack:
+        return cls(CapturedTraceback.extract(skip=skip + 1))
+
+    @classmethod
+    def empty(cls) -> Stack:
+        return cls(frames=())
+
+    @property
+    def frames(self) -> tuple[Frame, ...]:
+        if self._frames is None:
+            tb, self._tb = self._tb, None
+            summary = tb.summary() if tb is not None else []
+            self._frames = tuple(
+                Frame(
+                    filename=fs.filename,
+                    lineno=fs.lineno or 0,
+                    name=fs.name,
+                    line=(fs.line or linecache.getline(fs.filename, fs.lineno or 0)).strip(),
+                    user=not is_internal_file(fs.filename),
+                )
+                for fs in summary
+            )
+        return self._frames
+
+    @property
+    def user_frames(self) -> tuple[Frame, ...]:
+        return tuple(f for f in self.frames if f.user)
+
+    @property
+    def call_site(self) -> Frame | None:
+        """The innermost user frame: the line a report points at."""
+        user = self.user_frames
+        if user:
+            return user[-1]
+        return self.frames[-1] if self.frames else None
+
+    def describe(self) -> str:
+        site = self.call_site
+        return site.short_location if site is not None else "<unknown>"
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [f.to_dict() for f in self.frames]
+
+    @classmethod
+    def from_list(cls, data: list[dict[str, Any]]) -> Stack:
+        return cls(frames=tuple(Frame.from_dict(d) for d in data))
+
+    def __repr__(self) -> str:
+        return f"Stack({self.describe()})"
