@@ -213,6 +213,16 @@ class RNGConsistencyMode:
 
         return ranks.start(self)
 
+    def bind_distributed(self) -> None:
+        """Start the cross-rank checks now that torch.distributed is initialised.
+
+        ``__enter__`` does this itself when the process group already exists; the environment
+        activation calls it once the training script has initialised torch.distributed.
+        Must be called on every rank of the group (it may create the checker's side group).
+        """
+        if self._entered and self._ranks is None:
+            self._ranks = self._start_ranks()
+
     def check(self) -> Report:
         """Exchange with the other ranks now (with several ranks) and return the report."""
         if self._ranks is not None:

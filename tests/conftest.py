@@ -1,0 +1,14 @@
+"""Shared test set-up. Tests run real torch (CPU) and real process groups; nothing is mocked."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state and leaves no mode behind."""
+    torch.manual_seed(0)
+    yield
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    assert not _get_current_dispatch_mode_stack(), "a test left a dispatch mode on the stack"
