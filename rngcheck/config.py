@@ -35,9 +35,7 @@ class Config:
         validate_choice("sync", self.sync, SYNC_MODES)
         validate_choice("on_finding", self.on_finding, ON_FINDING)
         if not isinstance(self.check_recompute, bool):
-            raise ValueError(
-                f"check_recompute must be True or False; got {self.check_recompute!r}"
-            )
+            raise ValueError(f"check_recompute must be True or False; got {self.check_recompute!r}")
         _positive_int("window", self.window)
         _positive_int("every", self.every)
         if (

@@ -29,7 +29,7 @@ class Phase(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SeedCall:
-    """A Python API call that changed a generator's state: ``torch.manual_seed(3)`` at train.py:12."""
+    """A Python API call that changed a generator's state: ``torch.manual_seed(3)`` at a line."""
 
     api: str  # "torch.manual_seed"
     argument: str  # "3", or "<state>" for set_rng_state

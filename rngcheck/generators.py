@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -242,11 +242,16 @@ class GeneratorId:
 
     @property
     def key(self) -> str:
-        """The part of the identity that must match across ranks and between forward and recompute."""
+        """The part of the identity that must match across ranks and across checkpoint passes."""
         return f"default:{self.device}" if self.is_default else f"user#{self.number}:{self.device}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "device": self.device, "number": self.number, "origin": self.origin}
+        return {
+            "kind": self.kind,
+            "device": self.device,
+            "number": self.number,
+            "origin": self.origin,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GeneratorId:
@@ -275,28 +280,36 @@ def _device_str(device: torch.device) -> str:
 class _Tracked:
     """What the registry knows about one generator: its name, its last digest, its seed."""
 
-    __slots__ = ("ident", "handle", "adapter", "last_after", "initial_seed", "seed_mark", "ref")
+    __slots__ = ("ident", "handle", "adapter", "last_after", "initial_seed", "seed_mark")
 
-    def __init__(self, ident: GeneratorId, handle: Any, adapter: DeviceAdapter, ref: Any) -> None:
+    def __init__(self, ident: GeneratorId, handle: Any, adapter: DeviceAdapter) -> None:
         self.ident = ident
         self.handle = handle
         self.adapter = adapter
         self.last_after: int | None = None
         self.initial_seed: int | None = None
         self.seed_mark = 0  # the seeding-call counter at this generator's last op
-        self.ref = ref
+
+
+def _cdata(gen: Any) -> int | None:
+    return getattr(gen, "_cdata", None)
 
 
 class GeneratorRegistry:
     """Names the generators a mode sees and remembers each one's state after its last op.
 
-    User generators are held by weak reference, keyed by ``id()`` and checked against reuse.
+    The ``torch.Generator`` an op receives at dispatch is a fresh Python wrapper of the C++
+    generator each time, so user generators are keyed by the C++ object (``Generator._cdata``).
+    The registry keeps the first wrapper it saw of the ``max_users`` most recently used ones: that
+    keeps the address from being reused by a new generator while it is named here, and bounds
+    memory for programs that make a generator per batch.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_users: int = 1024) -> None:
         self._defaults: dict[str, _Tracked] = {}
-        self._users: dict[int, _Tracked] = {}
+        self._users: OrderedDict[int, _Tracked] = OrderedDict()
         self._user_count = 0
+        self._max_users = max_users
 
     def default(self, device: torch.device) -> _Tracked | None:
         name = _device_str(device)
@@ -306,48 +319,43 @@ class GeneratorRegistry:
             if found is None:
                 return None
             handle, adapter = found
-            tracked = _Tracked(GeneratorId(kind="default", device=name), handle, adapter, None)
+            tracked = _Tracked(GeneratorId(kind="default", device=name), handle, adapter)
             self._defaults[name] = tracked
         return tracked
 
     def user(self, gen: torch.Generator, origin: Callable[[], str]) -> _Tracked:
-        if gen is torch.default_generator:
-            tracked = self.default(torch.device("cpu"))
-            assert tracked is not None
+        key = _cdata(gen)
+        tracked = self._users.get(key) if key is not None else None
+        if tracked is not None:
+            self._users.move_to_end(key)
             return tracked
-        key = id(gen)
-        tracked = self._users.get(key)
-        if tracked is not None and tracked.ref() is gen:
-            return tracked
-        for default in self._defaults.values():
-            if default.handle is gen:  # a device's default generator passed explicitly
-                return default
-        if gen.device.type != "cpu":
-            found = default_handle(gen.device)
-            if found is not None and found[0] is gen:
-                return self.default(gen.device)  # type: ignore[return-value]
+        default = self._default_for(gen, key)
+        if default is not None:  # a device's default generator passed explicitly
+            return default
         self._user_count += 1
         ident = GeneratorId(
             kind="user", device=_device_str(gen.device), number=self._user_count, origin=origin()
         )
-        tracked = _Tracked(ident, gen, _GENERATOR_ADAPTER, weakref.ref(gen, self._forget(key)))
-        self._users[key] = tracked
+        tracked = _Tracked(ident, gen, _GENERATOR_ADAPTER)
+        if key is not None:
+            self._users[key] = tracked
+            if len(self._users) > self._max_users:
+                self._users.popitem(last=False)
         return tracked
 
-    def _forget(self, key: int) -> Callable[[Any], None]:
-        users = self._users
-
-        def forget(_ref: Any) -> None:
-            users.pop(key, None)
-
-        return forget
+    def _default_for(self, gen: torch.Generator, key: int | None) -> _Tracked | None:
+        found = default_handle(gen.device)
+        if found is not None and key is not None and _cdata(found[0]) == key:
+            return self.default(gen.device)
+        return None
 
     def tracked(self) -> list[_Tracked]:
         return [*self._defaults.values(), *self._users.values()]
 
     def find(self, gen: Any) -> _Tracked | None:
         """The tracked entry for a generator object, if this registry has seen it."""
+        key = _cdata(gen)
         for t in self.tracked():
-            if t.handle is gen:
+            if t.handle is gen or (key is not None and _cdata(t.handle) == key):
                 return t
         return None

@@ -61,7 +61,9 @@ class _Interceptor(TorchDispatchMode):
         self._kinds = _KindTable()
         self._checker = checker
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         if not self._kinds[func]:
             return func(*args, **(kwargs or {}))
         return self._checker._on_special(self._kinds[func], func, args, kwargs or {})
@@ -312,7 +314,9 @@ class RNGConsistencyMode:
             return func(*args, **kwargs)
         registry = self._generators
         tracked = (
-            registry.user(gen_arg, _first_use_site) if gen_arg is not None else registry.default(device)
+            registry.user(gen_arg, _first_use_site)
+            if gen_arg is not None
+            else registry.default(device)
         )
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
@@ -356,7 +360,9 @@ class RNGConsistencyMode:
         gen_arg = op_generator(args, kwargs)
         registry = self._generators
         tracked = (
-            registry.user(gen_arg, _first_use_site) if gen_arg is not None else registry.default(device)
+            registry.user(gen_arg, _first_use_site)
+            if gen_arg is not None
+            else registry.default(device)
         )
         if tracked is None:
             return

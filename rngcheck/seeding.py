@@ -85,7 +85,7 @@ def _affects(affects: str, device: str) -> bool:
 
 
 class SeedCallLog:
-    """The recent seeding calls, numbered so a generator can ask "what happened since my last op"."""
+    """Recent seeding calls, numbered so a generator can ask "what happened since my last op"."""
 
     def __init__(self, maxlen: int = 256) -> None:
         self._calls: deque[tuple[int, str, SeedCall]] = deque(maxlen=maxlen)
@@ -124,8 +124,7 @@ class SeedCallLog:
                     api=api,
                     argument=target.describe(args, kwargs),
                     stack=Stack.capture(skip=1),
-                    by_torch=is_internal_file(caller)
-                    and caller.startswith(_TORCH_DIR),
+                    by_torch=is_internal_file(caller) and caller.startswith(_TORCH_DIR),
                 )
                 self._calls.append((self.counter, target.affects, call))
             self._depth += 1

@@ -49,7 +49,7 @@ def is_internal_file(filename: str) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Frame:
-    """One call-stack frame: where, which function, the source line, and whether it is the user's."""
+    """One call-stack frame: where, which function, the source line, and whether it is user code."""
 
     filename: str
     lineno: int
