@@ -241,6 +241,15 @@ class GeneratorId:
         return f"Generator #{self.number} ({self.device}{origin})"
 
     @property
+    def short_label(self) -> str:
+        """The label without the origin, for tables."""
+        return (
+            f"default {self.device}"
+            if self.is_default
+            else f"Generator #{self.number} ({self.device})"
+        )
+
+    @property
     def key(self) -> str:
         """The part of the identity that must match across ranks and across checkpoint passes."""
         return f"default:{self.device}" if self.is_default else f"user#{self.number}:{self.device}"

@@ -40,12 +40,19 @@ def _event_cells(e: RandomOpEvent | None, note: str) -> list[str]:
     state = "served from cache (did not run)" if e.cached else _hex(e.before)
     return [
         e.op,
-        e.generator.label,
+        e.generator.short_label,
         ", ".join(e.args),
         state,
         _hex(output) if output is not None else "-",
         e.site,
     ]
+
+
+def _caption(side_label: str, e: RandomOpEvent | None, op: str) -> str:
+    if e is None:
+        return op
+    state = "(served from cache)" if e.cached else f"in state {_hex(e.before)}"
+    return f"{e.op} drew from {e.generator.short_label} {state}"
 
 
 def _traceback(stack: Stack, title: str, message: str) -> Traceback | None:
@@ -75,18 +82,17 @@ def render_finding(finding: Finding) -> RenderableType:
     if finding.sides:
         table = Table(show_header=True, header_style="bold", expand=False, pad_edge=False)
         for col in ("side", "op", "generator", "arguments", "state before", "output", "call site"):
-            table.add_column(col, overflow="fold")
+            table.add_column(col, overflow="fold", no_wrap=col in ("op", "state before", "output"))
         for side in finding.sides:
             table.add_row(_side_label(side), *_event_cells(side.event, side.note))
         parts.append(table)
-    stacks: list[tuple[str, Stack]] = []
-    if finding.sides:
-        stacks = [(_side_label(s), s.stack) for s in finding.sides if s.event is not None]
-    else:
-        stacks = [("here", finding.stack)]
-    for label, stack in stacks:
-        tb = _traceback(stack, f"{label}", f"{finding.op}")
+    stacks: list[tuple[str, Stack, RandomOpEvent | None]] = [
+        (_side_label(s), s.stack, s.event) for s in finding.sides if s.event is not None
+    ] or [("call site", finding.stack, None)]
+    for label, stack, event in stacks:
+        tb = _traceback(stack, label, _caption(label, event, finding.op))
         if tb is not None:
+            parts.append(Text(f"{label}:", style="bold"))
             parts.append(tb)
     title = f"rngcheck: {finding.title} [{finding.kind.value}]"
     return Panel(Group(*parts), title=title, border_style="red", title_align="left")

@@ -1,0 +1,162 @@
+"""Findings as users meet them: raised errors, warnings, records, JSON reports and renderings."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from rich.console import Console
+from torch.utils.checkpoint import checkpoint
+
+import rngcheck
+from rngcheck.report import format_ranks
+
+THIS = os.path.basename(__file__)
+
+
+def _line(marker: str) -> int:
+    with open(__file__, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line(" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _buggy_step(gen: torch.Generator) -> None:
+    """A checkpointed block drawing from a user generator: the recompute draws other numbers."""
+    layer = torch.nn.Linear(8, 8)
+
+    def block(x):
+        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # the-random-op
+
+    x = torch.randn(4, 8, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()  # the-backward
+
+
+def _record_finding() -> rngcheck.Finding:
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _buggy_step(torch.Generator().manual_seed(0))
+    assert len(mode.report.findings) == 1
+    return mode.report.findings[0]
+
+
+def test_finding_fields_point_at_the_user_line():
+    finding = _record_finding()
+    assert finding.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH
+    assert finding.op == "aten.rand.generator"
+    assert finding.differs == "state"
+    assert finding.stack.call_site.short_location == f"{THIS}:{_line('# the-random-op')}"
+    assert finding.stack.call_site.name == "block"
+    # Torch internals are filtered from the user frames, and the other side's stack goes
+    # through the user's backward() call.
+    assert all("torch" + os.sep not in f.filename for f in finding.stack.user_frames)
+    lines = [f.lineno for f in finding.other_stack.user_frames]
+    assert _line("# the-backward") in lines and _line("# the-random-op") in lines
+    assert [s.label for s in finding.sides] == ["forward", "recompute"]
+    assert "generator=" in finding.cause and "torch.utils.checkpoint" in finding.cause
+
+
+def test_raise_renders_then_raises_the_kind_specific_error():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=120)
+    with (
+        pytest.raises(rngcheck.RecomputeMismatchError) as info,
+        rngcheck.RNGConsistencyMode(console=console),
+    ):
+        _buggy_step(torch.Generator().manual_seed(0))
+    err = info.value
+    assert isinstance(err, rngcheck.RNGCheckError)
+    assert err.finding.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH
+    assert f"{THIS}:{_line('# the-random-op')}" in str(err)
+    assert "Likely cause:" in str(err)
+    text = out.getvalue()
+    assert "checkpoint recompute drew different random numbers" in text
+    assert f"{THIS}\", line {_line('# the-random-op')}" in text
+
+
+def test_warn_warns_once_per_call_site_at_the_user_line():
+    console = Console(file=io.StringIO(), force_terminal=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rngcheck.RNGConsistencyMode(on_finding="warn", console=console) as mode:
+            gen = torch.Generator().manual_seed(0)
+            for _ in range(3):
+                _buggy_step(gen)
+    ours = [w for w in caught if issubclass(w.category, rngcheck.RNGCheckWarning)]
+    assert len(mode.report.findings) == 3
+    assert len(ours) == 1
+    assert os.path.basename(ours[0].filename) == THIS
+    assert ours[0].lineno == _line("# the-random-op")
+
+
+def test_record_is_silent():
+    out = io.StringIO()
+    with rngcheck.RNGConsistencyMode(on_finding="record", console=Console(file=out)) as mode:
+        _buggy_step(torch.Generator().manual_seed(0))
+    assert not mode.report.ok
+    assert out.getvalue() == ""
+    with pytest.raises(rngcheck.RecomputeMismatchError):
+        mode.report.raise_if_findings()
+
+
+def test_report_round_trips_through_json(tmp_path):
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        torch.rand(2)
+        _buggy_step(torch.Generator().manual_seed(0))
+    path = tmp_path / "sub" / "report.json"
+    mode.report.save(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == 1 and data["findings"][0]["kind"] == "recompute_mismatch"
+    loaded = rngcheck.Report.load(path)
+    assert loaded.to_dict() == mode.report.to_dict()
+    f = loaded.findings[0]
+    assert f.stack.call_site.lineno == _line("# the-random-op")
+    assert f.sides[1].event.generator.label.startswith("Generator #1")
+    assert not [p for p in os.listdir(path.parent) if p.endswith(".tmp")]  # atomic, no leftovers
+    with pytest.raises(ValueError, match="unsupported rngcheck report format"):
+        rngcheck.Report.from_dict({"format": 99})
+
+
+def test_rich_rendering_has_panel_table_and_traceback_with_the_user_line():
+    finding = _record_finding()
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=140, color_system=None)
+    console.print(rngcheck.render_finding(finding))
+    text = out.getvalue()
+    assert "rngcheck: checkpoint recompute drew different random numbers" in text
+    assert "Likely cause:" in text
+    for header in ("side", "generator", "state before", "call site"):
+        assert header in text
+    assert "forward" in text and "recompute" in text
+    assert f"{THIS}:{_line('# the-random-op')}" in text
+    assert "(torch.rand(x.shape, generator=gen) > 0.5)" in text  # the source line, from rich
+    assert "torch/utils/checkpoint.py" not in text  # torch frames are filtered
+
+
+def test_plain_text_when_not_a_terminal():
+    finding = _record_finding()
+    out = io.StringIO()
+    rngcheck.print_finding(finding, console=Console(file=out, force_terminal=False, width=100))
+    text = out.getvalue()
+    assert "╭" not in text and "│" not in text  # no box drawing in logs
+    assert text.startswith("rngcheck: checkpoint recompute drew different random numbers")
+    assert f'File "{__file__}", line {_line("# the-random-op")}, in block' in text
+
+
+def test_print_report_summarises():
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        torch.rand(2)
+    out = io.StringIO()
+    rngcheck.print_report(mode.report, console=Console(file=out, force_terminal=False))
+    assert "rngcheck: 1 random op(s) checked, no findings" in out.getvalue()
+
+
+def test_format_ranks_is_compact():
+    assert format_ranks([0, 1, 2, 3, 6]) == "0:4,6"
+    assert format_ranks([5]) == "5"
+    assert format_ranks([3, 1, 2]) == "1:4"
+    assert format_ranks([]) == "-"
