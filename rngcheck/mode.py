@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import recompute as _recompute
+from . import trace as _trace
 from .config import Config
 from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
 from .generators import GeneratorRegistry, tensor_digest
@@ -275,6 +276,14 @@ class RNGConsistencyMode:
 
     def _write_outputs(self) -> None:
         if self.config.report_path:
+            from dataclasses import replace
+
+            # A saved report is read after the run: keep the events around each finding with it.
+            around = self._window.around
+            self._report.findings = [
+                f if f.context or f.seq < 0 else replace(f, context=tuple(around(f.seq)))
+                for f in self._report.findings
+            ]
             try:
                 self._report.save(self.config.report_path)
             except OSError as e:
@@ -295,8 +304,9 @@ class RNGConsistencyMode:
                     stacklevel=3,
                 )
 
-    def _trace_events(self) -> list[RandomOpEvent]:
-        return list(self._window.events)
+    def _trace_events(self) -> Any:
+        # The whole stream, streamed to disk as it ran (trace.feed), not just the window.
+        return _trace.stream_for(self)
 
     # -- the random-op path --------------------------------------------------------------------
 
@@ -385,6 +395,7 @@ class RNGConsistencyMode:
 
     def _record(self, event: RandomOpEvent) -> None:
         self._window.add(event)
+        _trace.feed(self, event)
         if event.phase is Phase.BACKWARD:
             self._note_backward(event)
         if self.recompute_tracker is not None:
