@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .events import Phase, RandomOpEvent
+from .events import Phase, RandomOpEvent, SeedCall
 from .ops import OpKind, classify
 from .report import Finding, FindingKind, Side
 from .stacks import Stack
@@ -40,6 +41,9 @@ __all__ = ["CheckpointRegion", "RecomputeTracker", "checkpoint_region"]
 # stays bounded even for a region that wraps a whole model with per-element random ops.
 _MAX_REGION_OPS = 100_000
 _region_numbers = itertools.count(1)
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+# Seeding APIs that reseed (as opposed to set_rng_state, which swaps a saved state in).
+_RESEED_APIS = ("manual_seed", "manual_seed_all", "seed", "seed_all")
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -77,6 +81,9 @@ class RecomputeTracker:
         self._emit = emit
         self._local = _Local()
         self._saved: list[tuple[Any, str, Any]] = []
+        # One finding per distinct mismatch (op, element, both call sites): a training loop with
+        # the bug, or a nested region replaying its inner one, reports it once, not every step.
+        self._reported: set[tuple[str, str, str, str]] = set()
         self.recorded = 0  # random ops recorded by the main mode (the SAC observer watches it)
 
     # -- state queried on the hot path of random ops -------------------------------------------
@@ -101,11 +108,25 @@ class RecomputeTracker:
 
         self._patch(tuc, "_checkpoint_without_reentrant_generator", nonreentrant)
         self._patch(tuc, "CheckpointFunction", _ReentrantShim(self, tuc.CheckpointFunction))
+        # torch.distributed's composable ``checkpoint(module)`` imported the generator by name;
+        # patch its copy too when that module is loaded (importing it here would pull in
+        # torch.distributed for every user).
+        composable = sys.modules.get(_COMPOSABLE)
+        if getattr(composable, "_checkpoint_without_reentrant_generator", None) is original:
+            self._patch(composable, "_checkpoint_without_reentrant_generator", nonreentrant)
 
     def uninstall(self) -> None:
         saved, self._saved = self._saved, []
         for owner, name, original in reversed(saved):
+            replacement = getattr(owner, name, None)
             setattr(owner, name, original)
+            # torch imports the composable checkpoint lazily, from inside a checkpoint call: if
+            # that happened while we were installed, it copied our wrapper by name and would keep
+            # it (and this tracker) forever. Hand it the original too.
+            if owner is tuc:
+                copy = sys.modules.get(_COMPOSABLE)
+                if copy is not None and getattr(copy, name, None) is replacement:
+                    setattr(copy, name, original)
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -261,6 +282,10 @@ class RecomputeTracker:
         region.failed = True
         shown = r if r is not None else f
         assert shown is not None
+        key = (shown.op, differs, f.site if f else "", r.site if r else "")
+        if key in self._reported:
+            return
+        self._reported.add(key)
         finding = Finding(
             kind=FindingKind.RECOMPUTE_MISMATCH,
             message=f"random op #{k} of {region.title}: {detail}",
@@ -279,10 +304,6 @@ class RecomputeTracker:
         )
         self._emit(finding)
 
-    def record_cached(self, func: Any, args: tuple, kwargs: dict, make_event: Callable[..., RandomOpEvent]) -> None:
-        """A random op the selective-checkpoint cache answered: it did not run, nothing advanced."""
-        self.on_event(make_event(func, args, kwargs, cached=True))
-
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
     for i in range(len(active) - 1, -1, -1):
@@ -296,11 +317,15 @@ def _first_difference(f: RandomOpEvent, r: RandomOpEvent) -> tuple[str, str]:
     if f.op != r.op:
         return "op", f"the forward ran {f.op} here, the recompute ran {r.op}"
     if f.args != r.args:
-        changed = [
-            f"{a} (forward) vs {b} (recompute)" for a, b in zip(f.args, r.args, strict=False) if a != b
-        ] or [f"{list(f.args)} vs {list(r.args)}"]
-        return "argument", f"{f.op} was called with different arguments: " + "; ".join(changed)
-    if f.generator.key != r.generator.key:
+        changed = _arg_changes(f.op, f.args, r.args)
+        detail = f"{f.op} was called with different arguments: " + "; ".join(changed)
+        if f.op.startswith("aten.bernoulli"):
+            detail += " (for dropout, bernoulli's p is the keep probability, 1 - dropout p)"
+        return "argument", detail
+    # A Generator made inside the region is a new object in each pass; it only matters when the
+    # two draw from different states.
+    same_state = f.before is not None and f.before == r.before
+    if f.generator.key != r.generator.key and not same_state:
         return "generator", (
             f"{f.op} drew from {f.generator.label} in the forward but from "
             f"{r.generator.label} in the recompute"
@@ -317,6 +342,44 @@ def _first_difference(f: RandomOpEvent, r: RandomOpEvent) -> tuple[str, str]:
     if fo is not None and ro is not None and fo != ro:
         return "output", f"{f.op} produced a different output than in the forward"
     return "", ""
+
+
+def _arg_changes(op: str, fwd: tuple[str, ...], rec: tuple[str, ...]) -> list[str]:
+    """``p=0.5 (forward) vs p=0.7 (recompute)``: tensors by position, scalars by name.
+
+    The dispatcher leaves out arguments equal to their default, so a side without a named
+    argument had the schema's default there.
+    """
+    f_pos = [a for a in fwd if "=" not in a]
+    r_pos = [a for a in rec if "=" not in a]
+    f_named = dict(a.split("=", 1) for a in fwd if "=" in a)
+    r_named = dict(a.split("=", 1) for a in rec if "=" in a)
+    changes = [
+        f"argument {i}: {a} (forward) vs {b} (recompute)"
+        for i, (a, b) in enumerate(zip(f_pos, r_pos, strict=False))
+        if a != b
+    ]
+    if len(f_pos) != len(r_pos):
+        changes.append(f"{len(f_pos)} tensor argument(s) (forward) vs {len(r_pos)} (recompute)")
+    for name in [*f_named, *(n for n in r_named if n not in f_named)]:
+        a = f_named.get(name) or _schema_default(op, name)
+        b = r_named.get(name) or _schema_default(op, name)
+        if a != b:
+            changes.append(f"{name}={a} (forward) vs {name}={b} (recompute)")
+    return changes or [f"{list(fwd)} vs {list(rec)}"]
+
+
+def _schema_default(op: str, name: str) -> str:
+    """The default of argument ``name`` of ``aten.bernoulli_.float``, as text ("?" if unknown)."""
+    try:
+        namespace, packet, overload = op.split(".")
+        schema = getattr(getattr(getattr(torch.ops, namespace), packet), overload)._schema
+        for arg in schema.arguments:
+            if arg.name == name and arg.has_default_value():
+                return str(arg.default_value)
+    except (AttributeError, ValueError, RuntimeError):
+        pass
+    return "<default>"
 
 
 def _control_flow_cause() -> str:
@@ -339,8 +402,10 @@ def _cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: 
         return _control_flow_cause()
     if differs == "generator":
         return (
-            "the region picks its generator at run time (by device, by a global, or by a "
-            "tracker's current stream), and the choice changed before the recompute."
+            "the region picks its generator at run time (by device, by a global, by a "
+            "tracker's current stream, or makes a new torch.Generator with a different seed in "
+            "each pass), and the choice changed before the recompute. Pick the generator from "
+            "the region's inputs, or pass it in as an argument."
         )
     if differs == "output":
         return (
@@ -359,25 +424,19 @@ def _cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: 
             "draws from a shifted state. Make the policy return PREFER_RECOMPUTE/MUST_RECOMPUTE "
             "for random ops, or save all of them."
         )
-    user_calls = r.out_of_band.user_calls if r.out_of_band else ()
-    if user_calls:
-        sites_fwd = {c.stack.describe() for c in (f.out_of_band.user_calls if f.out_of_band else ())}
-        sites_rec = {c.stack.describe() for c in user_calls}
-        if sites_fwd & sites_rec:
-            call = user_calls[-1]
-            return (
-                f"the state of {gen.label} was swapped in by {call.text} in both the forward and "
-                "the recompute: a named RNG stream (a Megatron-style tracker's fork()). The "
-                "checkpoint rewound the default generator but not the stream's own saved state, "
-                "so the recompute starts from where the forward left the stream. Save and "
-                "restore the tracker's states around the checkpoint (as Megatron's "
-                "CheckpointFunction does) or use the tracker's own checkpoint function."
-            )
+    reseeds = [c for c in _user_calls(r) if _is_reseed(c)]
+    if reseeds:
+        return _reseed_cause(gen.label, reseeds, [c for c in _user_calls(f) if _is_reseed(c)])
+    swaps_fwd = [c for c in _user_calls(f) if not _is_reseed(c)]
+    swaps_rec = [c for c in _user_calls(r) if not _is_reseed(c)]
+    if swaps_rec and {_where(c) for c in swaps_fwd} & {_where(c) for c in swaps_rec}:
+        return _stream_cause(gen.label, swaps_rec[-1])
+    if region.preserve_rng_state is False and gen.is_default and region.kind == "custom":
         return (
-            f"{gen.label} was reseeded inside the region during the recompute: "
-            f"{'; '.join(c.text for c in user_calls)}. A seed that depends on state that "
-            "changed since the forward (a step counter, the clock) makes the two passes draw "
-            "different numbers; seed outside the checkpointed function."
+            f"the custom checkpoint region was marked restores_rng=False, so {gen.label} was not "
+            "restored before the recompute: the recompute continues the stream instead of "
+            "replaying it. Stash the generator's state before the forward and restore it "
+            "before recomputing."
         )
     if region.preserve_rng_state is False and gen.is_default:
         return (
@@ -407,6 +466,11 @@ def _cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: 
             f"device ({', '.join(region.devices) or 'none'}) only. Pass a {device_type} tensor "
             "as an argument, or seed that generator inside the function."
         )
+    if _continues_forward(region, r):
+        # The recompute drew from a state the forward left this generator in, although the
+        # checkpoint restored the generator at the region's start: something inside the region
+        # swapped a saved state in, and that saved state was not rewound.
+        return _stream_cause(gen.label, swaps_fwd[-1] if swaps_fwd else None)
     if region.kind == "custom":
         return (
             f"the custom checkpoint did not restore {gen.label} to its forward state before the "
@@ -418,6 +482,54 @@ def _cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: 
         "region's start was restored: something inside the region drew from it in one pass "
         "only (an op outside the checker's view, another thread), or it was set with "
         "Generator.set_state."
+    )
+
+
+def _user_calls(e: RandomOpEvent) -> tuple[SeedCall, ...]:
+    return e.out_of_band.user_calls if e.out_of_band is not None else ()
+
+
+def _where(call: SeedCall) -> str:
+    return call.stack.describe()
+
+
+def _is_reseed(call: SeedCall) -> bool:
+    return call.api.rsplit(".", 1)[-1] in _RESEED_APIS
+
+
+def _continues_forward(region: Region, r: RandomOpEvent) -> bool:
+    key = r.generator.key
+    return r.before is not None and any(
+        e.after == r.before for e in region.forward if e.generator.key == key and not e.cached
+    )
+
+
+def _reseed_cause(label: str, in_recompute: list[SeedCall], in_forward: list[SeedCall]) -> str:
+    call = in_recompute[-1]
+    before = [c for c in in_forward if _where(c) == _where(call)] or in_forward
+    forward = (
+        f"; in the forward it was {before[-1].api}({before[-1].argument})"
+        if before
+        else "; the forward ran no such call"
+    )
+    return (
+        f"{label} was reseeded inside the checkpointed region: {call.text} in the "
+        f"recompute{forward}. A seed computed from something that changed after the forward "
+        "(a step counter, the clock, a global) makes the two passes draw different numbers. "
+        "Seed outside the checkpointed function, or pass the seed in as an argument."
+    )
+
+
+def _stream_cause(label: str, swap: SeedCall | None) -> str:
+    how = f" by {swap.text}" if swap is not None else ""
+    return (
+        f"{label} drew in the recompute from the state the forward left it in: a state swapped "
+        f"in{how} from a named RNG stream (a Megatron-style tracker's fork()) that the "
+        "checkpoint did not rewind. torch.utils.checkpoint restores the default generator at "
+        "the region's start, not the tracker's saved stream states, so the recompute continues "
+        "the stream instead of replaying it. Save the tracker's states before the region and "
+        "restore them before the recompute (as Megatron's CheckpointFunction does with "
+        "get_states()/set_states()), or use the tracker's own checkpoint function."
     )
 
 
@@ -465,8 +577,10 @@ class _ObservedRecompute:
     def __exit__(self, *exc: Any) -> Any:
         try:
             self._observer.__exit__(*exc)
-        finally:
-            return self._inner.__exit__(*exc)
+        except BaseException:
+            self._inner.__exit__(*exc)  # the inner context is left however the observer fails
+            raise
+        return self._inner.__exit__(*exc)
 
 
 class _CacheObserver(TorchDispatchMode):
@@ -476,7 +590,9 @@ class _CacheObserver(TorchDispatchMode):
         super().__init__()
         self._tracker = tracker
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if classify(func) is not OpKind.RANDOM:
             return func(*args, **kwargs)
@@ -515,7 +631,9 @@ class CheckpointRegion:
 
     def __init__(self, name: str | None = None, *, restores_rng: bool | None = None) -> None:
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"checkpoint_region name must be a str or None; got {type(name).__name__}")
+            raise TypeError(
+                f"checkpoint_region name must be a str or None; got {type(name).__name__}"
+            )
         self._name = name
         self._restores_rng = restores_rng
         self._region: Region | None = None
@@ -545,6 +663,8 @@ class CheckpointRegion:
             yield
 
 
-def checkpoint_region(name: str | None = None, *, restores_rng: bool | None = None) -> CheckpointRegion:
+def checkpoint_region(
+    name: str | None = None, *, restores_rng: bool | None = None
+) -> CheckpointRegion:
     """A marker for one checkpointed call of a custom checkpoint function (see CheckpointRegion)."""
     return CheckpointRegion(name, restores_rng=restores_rng)

@@ -1,0 +1,74 @@
+"""Helpers shared by the recompute tests: run code under a recording checker, find marked lines,
+and assert a recompute finding completely (kind, op, differing element, user line, cause)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import rngcheck
+from rngcheck import Finding, FindingKind, Report
+
+
+def run(fn: Callable[[], Any], **mode_kwargs: Any) -> Report:
+    """Run ``fn`` under a recording RNGConsistencyMode and return its report."""
+    mode_kwargs.setdefault("on_finding", "record")
+    with rngcheck.RNGConsistencyMode(**mode_kwargs) as mode:
+        fn()
+    return mode.report
+
+
+def marked_line(marker: str, path: str | None = None) -> tuple[str, int]:
+    """The file and line number of the line ending in ``# <- marker`` (in the caller's file)."""
+    if path is None:
+        path = inspect.stack()[1].filename
+    with open(path, encoding="utf-8") as f:
+        hits = [i for i, text in enumerate(f, 1) if text.rstrip().endswith(f"# <- {marker}")]
+    assert len(hits) == 1, f"marker {marker!r} found {len(hits)} times in {path}"
+    return path, hits[0]
+
+
+def short(marker: str, path: str) -> str:
+    """``test_x.py:12`` for a marker, the way reports print call sites."""
+    file, line = marked_line(marker, path)
+    return f"{os.path.basename(file)}:{line}"
+
+
+def assert_recompute_finding(
+    report: Report,
+    *,
+    op: str,
+    differs: str,
+    at: str,
+    cause: Iterable[str],
+    sides: tuple[str, ...] = ("forward", "recompute"),
+) -> Finding:
+    """Exactly one recompute_mismatch finding, at the line marked ``at`` in the caller's file.
+
+    ``sides`` names the sides that ran the op (both, unless one pass ran no random op there);
+    each of those must point at the marked line too. Every string of ``cause`` must appear in
+    the finding's cause text.
+    """
+    path = inspect.stack()[1].filename
+    file, line = marked_line(at, path)
+    assert len(report.findings) == 1, [f.message for f in report.findings]
+    finding = report.findings[0]
+    assert finding.kind is FindingKind.RECOMPUTE_MISMATCH
+    assert finding.op == op, finding.op
+    assert finding.differs == differs, (finding.differs, finding.message)
+    site = finding.stack.call_site
+    assert site is not None
+    assert (site.filename, site.lineno) == (file, line), (site.location, line)
+    labels = {s.label: s for s in finding.sides}
+    assert set(labels) == {"forward", "recompute"}
+    for label in sides:
+        event = labels[label].event
+        assert event is not None, label
+        assert event.site == f"{os.path.basename(file)}:{line}", (label, event.site)
+        assert event.op == op
+    for text in cause:
+        assert text in finding.cause, f"{text!r} not in cause: {finding.cause}"
+    assert finding.region, "a recompute finding names its region"
+    return finding

@@ -1,0 +1,392 @@
+"""Recompute mismatches under torch.utils.checkpoint: every variant issue 3 names, each asserting
+the finding's kind, op, differing element, the user line it points at and the cause it names."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _recompute_util import assert_recompute_finding, run, short
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
+
+REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+DROPOUT_OP = "aten.bernoulli_.float"  # what F.dropout runs on CPU
+
+
+def _input() -> torch.Tensor:
+    return torch.randn(4, 16, requires_grad=True)
+
+
+@REENTRANT
+def test_user_generator_is_not_restored(reentrant):
+    lin = nn.Linear(16, 16)
+    gen = torch.Generator().manual_seed(7)
+
+    def block(x):
+        return lin(x) * (torch.rand(x.shape, generator=gen) > 0.1)  # <- user gen
+
+    report = run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
+    finding = assert_recompute_finding(
+        report,
+        op="aten.rand.generator",
+        differs="state",
+        at="user gen",
+        cause=["was passed as generator=", "torch.utils.checkpoint stashes and restores only"],
+    )
+    assert ("reentrant" if reentrant else "non-reentrant") in finding.region
+    assert finding.sides[1].event.generator.kind == "user"
+
+
+@REENTRANT
+def test_preserve_rng_state_false(reentrant):
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        return F.dropout(lin(x), 0.1)  # <- dropout
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant, preserve_rng_state=False)
+        y.sum().backward()
+
+    assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="state",
+        at="dropout",
+        cause=["preserve_rng_state=False", "default cpu"],
+    )
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.2)  # <- sequential block
+
+
+@REENTRANT
+def test_checkpoint_sequential(reentrant):
+    model = nn.Sequential(_Block(), _Block(), _Block(), _Block())
+
+    def step():
+        y = checkpoint_sequential(
+            model, 2, _input(), use_reentrant=reentrant, preserve_rng_state=False
+        )
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="state",
+        at="sequential block",
+        cause=["preserve_rng_state=False"],
+    )
+    assert "checkpoint #" in finding.region
+
+
+@REENTRANT
+def test_nested_checkpoint_reports_the_inner_op_once(reentrant):
+    lin = nn.Linear(16, 16)
+    gen = torch.Generator().manual_seed(3)
+
+    def inner(x):
+        return lin(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # <- nested inner
+
+    def outer(x):
+        y = F.dropout(lin(x), 0.3)
+        return checkpoint(inner, y, use_reentrant=reentrant)
+
+    report = run(lambda: checkpoint(outer, _input(), use_reentrant=reentrant).sum().backward())
+    # The reentrant outer recompute replays the inner region too: one bug, one finding.
+    assert_recompute_finding(
+        report,
+        op="aten.rand.generator",
+        differs="state",
+        at="nested inner",
+        cause=["was passed as generator="],
+    )
+
+
+def _two_random_ops(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    a = lin(x) * (torch.rand(x.shape) > 0.5)  # <- sac first
+    return lin(a) * (torch.rand(x.shape) > 0.5)  # <- sac second
+
+
+def test_selective_checkpoint_that_saves_a_random_op_shifts_the_later_ones():
+    lin = nn.Linear(16, 16)
+    forward_rands = []
+
+    def save_the_first_rand(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.rand.default:
+            if not ctx.is_recompute:
+                forward_rands.append(op)
+            if len(forward_rands) == 1:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, save_the_first_rand)
+
+    def step():
+        y = checkpoint(_two_random_ops, lin, _input(), use_reentrant=False, context_fn=context_fn)
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op="aten.rand.default",
+        differs="state",
+        at="sac second",
+        cause=[
+            "selective activation checkpointing saved the output of aten.rand.default",
+            f"random op #0, at {short('sac first', __file__)}",
+            "shifted state",
+        ],
+    )
+    assert finding.message.startswith("random op #1 of checkpoint")
+
+
+class _CountingMode(TorchDispatchMode):
+    """A user's own recompute context (not SAC): counts the ops of the recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_user_context_fn_keeps_working_and_mismatches_are_still_found():
+    lin = nn.Linear(16, 16)
+    gen = torch.Generator().manual_seed(1)
+    modes: list[_CountingMode] = []
+    entered = []
+
+    @contextlib.contextmanager
+    def forward_ctx():
+        entered.append("forward")
+        yield
+
+    def context_fn():
+        modes.append(_CountingMode())
+        return forward_ctx(), modes[-1]
+
+    def block(x):
+        return lin(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # <- user ctx
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=False, context_fn=context_fn)
+        y.sum().backward()
+
+    assert_recompute_finding(
+        run(step),
+        op="aten.rand.generator",
+        differs="state",
+        at="user ctx",
+        cause=["was passed as generator="],
+        # The recompute's innermost user frame is the user's own __torch_dispatch__ (it runs
+        # the op), so only the forward side is asserted at the marked line.
+        sides=("forward",),
+    )
+    assert entered == ["forward"]
+    assert modes and modes[0].ops > 0, "the user's recompute context saw the recompute's ops"
+
+
+@REENTRANT
+def test_reseed_inside_the_region_names_its_call_site(reentrant):
+    lin = nn.Linear(16, 16)
+    step_no = {"n": 0}
+
+    def block(x):
+        torch.manual_seed(step_no["n"])  # <- reseed
+        return F.dropout(lin(x), 0.5)  # <- reseeded dropout
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant)
+        step_no["n"] += 1  # the step counter moves before backward
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="state",
+        at="reseeded dropout",
+        cause=[
+            "reseeded inside the checkpointed region",
+            f"torch.manual_seed(1) at {short('reseed', __file__)}",
+            "in the forward it was torch.manual_seed(0)",
+        ],
+    )
+    assert "named RNG stream" not in finding.cause
+
+
+@REENTRANT
+def test_argument_changed_between_forward_and_backward(reentrant):
+    lin = nn.Linear(16, 16)
+    schedule = {"p": 0.5}
+
+    def block(x):
+        return F.dropout(lin(x), schedule["p"])  # <- scheduled dropout
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant)
+        schedule["p"] = 0.3  # the schedule advances before backward
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="argument",
+        at="scheduled dropout",
+        cause=["an argument of the random op changed between forward and backward", "schedule"],
+    )
+    # bernoulli_ draws with the keep probability: 1 - 0.5 in the forward, 1 - 0.3 in backward
+    assert "p=0.5 (forward) vs p=0.7 (recompute)" in finding.message
+    assert "keep probability" in finding.message
+
+
+class CPURNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker on CPU: named streams swapped in and out of the default
+    generator with torch.get_rng_state/set_rng_state."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        outside = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states[name] = torch.get_rng_state()
+        torch.set_rng_state(outside)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states[name])  # <- tracker swap in
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)
+
+
+@REENTRANT
+def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
+    lin = nn.Linear(16, 16)
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def block(x):
+        with tracker.fork():
+            return F.dropout(lin(x), 0.1)  # <- tensor-parallel dropout
+
+    report = run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
+    assert_recompute_finding(
+        report,
+        op=DROPOUT_OP,
+        differs="state",
+        at="tensor-parallel dropout",
+        cause=[
+            "named RNG stream",
+            "fork()",
+            f"torch.set_rng_state(<state>) at {short('tracker swap in', __file__)}",
+            "did not rewind",
+        ],
+    )
+
+
+def test_named_stream_restored_by_the_user_is_quiet():
+    """The fix the cause text suggests: save the tracker's states and restore them in the
+    checkpointed function's recompute."""
+    lin = nn.Linear(16, 16)
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+
+    def step():
+        saved = dict(tracker.states)
+
+        def block(x):
+            tracker.states.update(saved)
+            with tracker.fork():
+                return F.dropout(lin(x), 0.1)
+
+        checkpoint(block, _input(), use_reentrant=False).sum().backward()
+
+    assert run(step).ok
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_generator_touched_only_inside_the_function():
+    lin = nn.Linear(16, 16).cuda()
+
+    def block(x):  # a CPU argument: checkpoint stashes the CPU generator only
+        return F.dropout(lin(x.cuda()), 0.5)  # <- cuda dropout
+
+    def step():
+        torch.cuda.manual_seed(0)
+        y = checkpoint(block, _input(), use_reentrant=False)
+        torch.rand(8, device="cuda")  # the CUDA generator moves on before backward
+        y.sum().backward()
+
+    assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="state",
+        at="cuda dropout",
+        cause=["is used only inside the checkpointed function", "Pass a cuda tensor"],
+    )
+
+
+def test_composable_checkpoint_of_a_module_is_tracked():
+    composable = pytest.importorskip("torch.distributed._composable")
+    gen = torch.Generator().manual_seed(5)
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # <- composable
+
+    model = nn.Sequential(Noisy(), nn.Linear(16, 16))
+    composable.checkpoint(model[0])
+    assert_recompute_finding(
+        run(lambda: model(_input()).sum().backward()),
+        op="aten.rand.generator",
+        differs="state",
+        at="composable",
+        cause=["was passed as generator="],
+    )
+
+
+def test_a_training_loop_with_the_bug_reports_it_once():
+    lin = nn.Linear(16, 16)
+    gen = torch.Generator().manual_seed(7)
+
+    def block(x):
+        return lin(x) * (torch.rand(x.shape, generator=gen) > 0.1)  # <- loop gen
+
+    def train():
+        for _ in range(5):
+            checkpoint(block, _input(), use_reentrant=False).sum().backward()
+
+    assert_recompute_finding(
+        run(train),
+        op="aten.rand.generator",
+        differs="state",
+        at="loop gen",
+        cause=["generator="],
+    )
