@@ -1,0 +1,304 @@
+"""The ``rngcheck`` command: read what a run left behind.
+
+``rngcheck show PATH...`` renders saved reports (files or directories of them), merging the per-rank
+files of one run into one rendering per finding. ``rngcheck diff A B`` compares the random-op
+streams of two saved traces and shows the first op where they part, with both call sites.
+
+Exit codes, for CI:
+
+=====  ===================================================================================
+code   meaning
+=====  ===================================================================================
+0      ``show``: no findings. ``diff``: the two streams are the same.
+1      ``show``: at least one finding. ``diff``: the streams diverge (the first op is shown).
+2      usage error, or a file that cannot be read or is not an rngcheck report or trace.
+3      ``show``: no findings, but a run's reports are incomplete (a rank wrote none).
+=====  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FOUND, EXIT_ERROR, EXIT_INCOMPLETE = 0, 1, 2, 3
+
+
+class _UsageError(Exception):
+    pass
+
+
+# -- show ------------------------------------------------------------------------------------------
+
+
+def _report_files(paths: Sequence[str]) -> list[str]:
+    files: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            found = sorted(glob.glob(os.path.join(path, "*.json")))
+            if not found:
+                raise _UsageError(f"{path}: no *.json reports in this directory")
+            files.extend(found)
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise _UsageError(f"{path}: no such file or directory")
+    return files
+
+
+@dataclass
+class _MergedFinding:
+    finding: Any
+    seen_on: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Run:
+    """The reports of one run (one file per rank), merged."""
+
+    run_id: str
+    reports: dict[int, Any] = field(default_factory=dict)  # rank -> Report
+    files: dict[int, str] = field(default_factory=dict)
+    findings: dict[tuple, _MergedFinding] = field(default_factory=dict)
+    notes: dict[tuple, tuple[Any, set[int]]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return max(r.world_size for r in self.reports.values())
+
+    @property
+    def missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.reports]
+
+    def add(self, report: Any, path: str) -> None:
+        self.reports[report.rank] = report
+        self.files[report.rank] = path
+        for f in report.findings:
+            # Every rank records the same rank finding: merge them. Local findings (a recompute
+            # mismatch) merge when every rank hit the very same one, as SPMD ranks do.
+            key = (f.kind.value, f.op, f.seq, f.ranks, f.message, f.site)
+            entry = self.findings.setdefault(key, _MergedFinding(f))
+            entry.seen_on.add(report.rank)
+        for n in report.notes:
+            entry_n = self.notes.setdefault((n.kind, n.message), (n, set()))
+            entry_n[1].add(report.rank)
+
+
+def _load_runs(files: Sequence[str]) -> list[_Run]:
+    from .report import Report
+
+    runs: dict[str, _Run] = {}
+    for path in files:
+        try:
+            report = Report.load(path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            hint = " (a trace? use `rngcheck diff`)" if _is_trace(path) else ""
+            raise _UsageError(f"{path}: not a readable rngcheck report{hint}: {e}") from None
+        run_id = str(report.meta.get("run_id") or path)
+        run = runs.setdefault(run_id, _Run(run_id))
+        if report.rank in run.reports:
+            raise _UsageError(
+                f"{path} and {run.files[report.rank]} are both rank {report.rank} of run "
+                f"{run_id}: show one run's files at a time"
+            )
+        run.add(report, path)
+    return list(runs.values())
+
+
+def _is_trace(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return '"rngcheck-trace"' in f.readline()
+    except OSError:
+        return False
+
+
+def _print(console: Console, text: str, style: str | None = None) -> None:
+    if console.is_terminal:
+        console.print(text, style=style, markup=False, highlight=False)
+    else:
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _context_table(console: Console, merged: _MergedFinding) -> None:
+    """The events around the finding, as the run saw them (the finding's op marked)."""
+    events = merged.finding.context
+    if not events:
+        return
+    rows = [
+        (
+            ">" if e.seq == merged.finding.seq else "",
+            str(e.seq),
+            e.op,
+            e.generator.label,
+            e.phase.value + (f" ({e.region})" if e.region else ""),
+            "-" if e.before is None else f"{e.before & 0xFFFFFFFFFFFFFFFF:016x}",
+            e.site,
+        )
+        for e in events
+    ]
+    header = ("", "#", "op", "generator", "phase", "state before", "call site")
+    if console.is_terminal:
+        table = Table(*header, title="random ops around it", title_justify="left")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    _print(console, "  random ops around it:")
+    for row in rows:
+        _print(console, f"  {row[0]:1} #{row[1]:>5} {row[2]} on {row[3]}, {row[4]}, state "
+               f"{row[5]}, at {row[6]}")
+
+
+def _show(paths: Sequence[str], console: Console, context: bool) -> int:
+    from .render import print_finding
+    from .report import format_ranks
+
+    runs = _load_runs(_report_files(paths))
+    code = EXIT_OK
+    for run in runs:
+        if len(runs) > 1:
+            _print(console, f"== run {run.run_id}", style="bold")
+        for merged in run.findings.values():
+            print_finding(merged.finding, console)
+            if len(run.reports) > 1:
+                _print(console, f"  recorded by rank(s) {format_ranks(merged.seen_on)}")
+            if context:
+                _context_table(console, merged)
+        for note, ranks in run.notes.values():
+            on = f" (rank(s) {format_ranks(ranks)})" if len(run.reports) > 1 else ""
+            _print(console, f"note{on}: {note.message}", style="yellow")
+        ops = sum(r.random_ops for r in run.reports.values())
+        status = f"{len(run.findings)} finding(s)" if run.findings else "no findings"
+        ranks = format_ranks(run.reports)
+        what = (
+            f"{len(run.reports)} rank report(s) (ranks {ranks} of {run.world_size})"
+            if run.world_size > 1
+            else "1 report"
+        )
+        _print(console, f"rngcheck: {what}, {ops} random op(s) checked, {status}")
+        if run.missing:
+            _print(
+                console,
+                f"rngcheck: no report from rank(s) {format_ranks(run.missing)}: they may have "
+                "been killed before writing one; their findings are unknown",
+                style="yellow",
+            )
+        if run.findings:
+            code = EXIT_FOUND
+        elif run.missing and code == EXIT_OK:
+            code = EXIT_INCOMPLETE
+    return code
+
+
+# -- diff ------------------------------------------------------------------------------------------
+
+
+def _frames_text(op: Any, label: str) -> list[str]:
+    lines = [f"  {label} stack (most recent call last):"]
+    for f in op.frames[-6:]:
+        lines.append(f'    File "{f.filename}", line {f.lineno}, in {f.name}')
+        if f.line:
+            lines.append(f"      {f.line}")
+    return lines if op.frames else []
+
+
+def _op_line(op: Any) -> str:
+    extra = f", in region {op.region}" if op.region else ""
+    state = "served from cache" if op.cached else (op.before or "-")
+    return f"{op.call} on {op.generator}, {op.phase}{extra}, state {state}, at {op.site}"
+
+
+def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> int:
+    from .trace import TraceFormatError, first_divergence, read_trace
+
+    try:
+        a, b = read_trace(a_path), read_trace(b_path)
+        divergence, compared = first_divergence(a.ops(), b.ops(), structure_only=structure_only)
+    except (OSError, TraceFormatError, KeyError, ValueError, json.JSONDecodeError) as e:
+        raise _UsageError(str(e)) from None
+    what = "op sequences" if structure_only else "random-op streams"
+    if divergence is None:
+        _print(console, f"rngcheck diff: the {what} are the same ({compared} random op(s))")
+        return EXIT_OK
+    d = divergence
+    lines = [
+        f"rngcheck diff: the {what} diverge at random op #{d.index} "
+        f"({d.index} op(s) agree before it); first difference: {d.differs}",
+        f"  {d.explanation}",
+    ]
+    if d.agreed:
+        lines.append(f"  last op both ran: {_op_line(d.agreed[-1])}")
+    for label, path, op in (("A", a_path, d.a), ("B", b_path, d.b)):
+        lines.append(f"  {label} ({path}): " + (_op_line(op) if op else "ended here"))
+    for label, op in (("A", d.a), ("B", d.b)):
+        if op is not None:
+            lines.extend(_frames_text(op, label))
+    _print(console, "\n".join(lines))
+    return EXIT_FOUND
+
+
+# -- entry point -----------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rngcheck",
+        description="Read what rngcheck saved: reports (show) and random-op traces (diff).",
+        epilog="Exit codes: 0 clean / same, 1 findings / diverged, 2 error, 3 reports missing.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser(
+        "show",
+        help="render saved reports, merging the per-rank files of one run",
+        description="Render saved reports. PATH: a report file or a directory of them "
+        "(RNGCHECK_REPORT). The per-rank files of one run are merged.",
+    )
+    show.add_argument("paths", nargs="+", metavar="PATH")
+    show.add_argument(
+        "--no-context", action="store_true", help="leave out the random ops around each finding"
+    )
+    diff = sub.add_parser(
+        "diff",
+        help="compare the random-op streams of two traces; show the first divergent op",
+        description="Compare two traces (RNGCHECK_TRACE or trace=...) op by op: the op, its "
+        "generator, its arguments, its phase, then the generator state before and after.",
+    )
+    diff.add_argument("a", metavar="A")
+    diff.add_argument("b", metavar="B")
+    diff.add_argument(
+        "--structure-only",
+        action="store_true",
+        help="compare ops, generators and arguments only, not states (runs with other seeds)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, console: Console | None = None) -> int:
+    """Run the CLI; returns the exit code (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    console = console or Console()
+    try:
+        if args.command == "show":
+            return _show(args.paths, console, context=not args.no_context)
+        return _diff(args.a, args.b, console, args.structure_only)
+    except _UsageError as e:
+        Console(file=sys.stderr).print(
+            f"rngcheck: {e}", markup=False, highlight=False, soft_wrap=True
+        )
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
