@@ -135,6 +135,11 @@ def tensor_digest(value: Any) -> int | LazyDigest | None:
 
 def _as_int(flat: torch.Tensor) -> torch.Tensor:
     """Reinterpret a tensor's bits as int64 values, on its own device."""
+    if flat.device.type == "xla":
+        # Inside a dispatch mode torch_xla hands over tensors below functionalization, where a
+        # dtype view (a bit cast) raises or segfaults: fold the values instead of the bits. A
+        # different dropout mask still changes the weighted sum by far more than 1.
+        return torch.nan_to_num(flat.to(torch.float64), nan=0.5, posinf=1e30, neginf=-1e30)
     size = flat.element_size()
     if flat.dtype == torch.bool:
         return flat.to(torch.int64)
@@ -155,11 +160,14 @@ class DeviceAdapter:
 
     ``default(device)`` returns a handle (a ``torch.Generator``, or anything ``digest`` accepts);
     ``digest(handle)`` returns the 64-bit digest, or None when the state cannot be read now (for
-    example during CUDA graph capture, where reading it is not allowed).
+    example during CUDA graph capture, where reading it is not allowed). ``current(device)``, if
+    given, names a device given without an index (``xla`` -> ``xla:0``) for device types without a
+    ``torch.<type>.current_device()``.
     """
 
     default: Callable[[torch.device], Any]
     digest: Callable[[Any], int | None]
+    current: Callable[[torch.device], str] | None = None
 
 
 _ADAPTERS: dict[str, DeviceAdapter] = {}
@@ -276,6 +284,9 @@ def _device_str(device: torch.device) -> str:
     if device.type == "cpu":
         return "cpu"
     if device.index is None:
+        adapter = _ADAPTERS.get(device.type)
+        if adapter is not None and adapter.current is not None:
+            return adapter.current(device)
         module = getattr(torch, device.type, None)
         current = getattr(module, "current_device", None)
         if current is not None:

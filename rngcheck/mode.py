@@ -7,6 +7,7 @@ Data flows one way: op -> event -> (recompute check | rank exchange) -> finding 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -139,6 +140,7 @@ class RNGConsistencyMode:
         self._interceptor: _Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._ranks: Any = None
+        self._xla: Any = None  # the torch_xla patches, when torch_xla was imported (see _xla.py)
         self._entered = False
         self._warned: set[tuple[str, str]] = set()
         self._dropped_findings = 0
@@ -164,6 +166,10 @@ class RNGConsistencyMode:
             self._entered = True
             _ACTIVE = self
         try:
+            if "torch_xla" in sys.modules:  # never import torch_xla here: it starts a runtime
+                from . import _xla  # registers the XLA seed's adapter and seeding APIs once
+
+                self._xla = _xla.install()
             self._seeds.install()
             if self.config.check_recompute:
                 self.recompute_tracker = RecomputeTracker(self._emit)
@@ -199,6 +205,9 @@ class RNGConsistencyMode:
                 self._ranks.close()
             if self.recompute_tracker is not None:
                 self.recompute_tracker.uninstall()
+            if self._xla is not None:
+                self._xla.uninstall()
+                self._xla = None
             self._seeds.uninstall()
             _recompute.set_active_checker(None)
             self._finalize_report()

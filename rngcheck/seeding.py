@@ -124,7 +124,7 @@ class SeedCallLog:
                     api=api,
                     argument=target.describe(args, kwargs),
                     stack=Stack.capture(skip=1),
-                    by_torch=is_internal_file(caller) and caller.startswith(_TORCH_DIR),
+                    by_torch=is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS),
                 )
                 self._calls.append((self.counter, target.affects, call))
             self._depth += 1
@@ -138,3 +138,13 @@ class SeedCallLog:
 
 
 _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
+# Calls from files under these directories are the library's own (a checkpoint's restore,
+# fork_rng), not a user's line to blame. The torch_xla support adds torch_xla's directory.
+_LIBRARY_DIRS: tuple[str, ...] = (_TORCH_DIR,)
+
+
+def register_library_dir(path: str) -> None:
+    """Count seeding calls made from files under ``path`` as the library's own (``by_torch``)."""
+    global _LIBRARY_DIRS
+    if path not in _LIBRARY_DIRS:
+        _LIBRARY_DIRS = (*_LIBRARY_DIRS, path)

@@ -1,0 +1,158 @@
+"""torch_xla support: the XLA seed as a generator, its seeding calls, and torch_xla's checkpoint.
+
+Loaded by :class:`~rngcheck.RNGConsistencyMode` only when the user has already imported torch_xla
+(importing it here would start an XLA runtime in processes that never asked for one).
+
+The XLA RNG is not a ``torch.Generator``: it is one 64-bit running seed per device, kept on the
+host (``xm.get_rng_state(device)``). Every random op advances it without running the graph, so an
+op's seed before and after is readable at once and costs no device sync; its digest is the blake2b
+of those 8 bytes, the same kind of 64-bit digest as every other generator's, so it flows to the
+recompute and cross-rank comparisons unchanged (generator "default xla:0").
+
+Every ``mark_step``/``sync`` resets the seed to a value derived from the previous step's root seed,
+whatever number of random ops ran. That is a state change between two ops; it is attributed to the
+sync call (watched here like a seeding API) and is never a finding by itself: comparisons are per
+op, forward op k against recompute op k, rank A's op k against rank B's.
+
+torch_xla's activation checkpointing (``torch_xla.utils.checkpoint.checkpoint``, reentrant only,
+and ``torch_xla.distributed.fsdp.checkpoint_module``, which calls it) goes through the module
+global ``CheckpointFunction``; while a mode is active a shim stands in for it and marks the first
+call of the checkpointed function as the region's forward and later calls as its recompute.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import logging
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+
+from .events import Phase
+from .generators import DeviceAdapter, bytes_digest, register_device_adapter
+from .seeding import register_library_dir, register_seed_api
+
+__all__ = ["XlaSupport", "install", "seed_digest"]
+
+log = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+_CHECKPOINT_MODULE = "torch_xla.utils.checkpoint"
+
+
+def _canonical(device: torch.device) -> str:
+    """``xla`` -> ``xla:0`` (the default device), so one seed has one name in reports."""
+    if device.index is not None:
+        return f"{device.type}:{device.index}"
+    return str(torch_xla._XLAC._xla_get_default_device())
+
+
+def seed_digest(seed: int) -> int:
+    """The 64-bit digest of an XLA seed (a host int, read as unsigned 64 bits)."""
+    return bytes_digest((seed & _MASK64).to_bytes(8, "little"))
+
+
+def _digest(handle: str) -> int:
+    # The device is always passed: checkpoint recomputes run on an autograd worker thread, whose
+    # "default device" is not necessarily the one the op ran on.
+    return seed_digest(xm.get_rng_state(handle))
+
+
+def _seed_argument(args: tuple, kwargs: dict) -> str:
+    seed = args[0] if args else kwargs.get("seed", "")
+    device = args[1] if len(args) > 1 else kwargs.get("device")
+    return f"{seed}, device={device}" if device is not None else str(seed)
+
+
+def _no_argument(_args: tuple, _kwargs: dict) -> str:
+    return ""
+
+
+register_device_adapter("xla", DeviceAdapter(_canonical, _digest, current=_canonical))
+# Calls from torch_xla's own files (its checkpoint's restore, xm.fork_rng, the sync inside
+# MpDeviceLoader or optimizer_step) are the library's, not the user's line to blame.
+register_library_dir(os.path.dirname(os.path.abspath(torch_xla.__file__)) + os.sep)
+register_seed_api("torch_xla.core.xla_model", "set_rng_state", "xla", _seed_argument)
+# The syncs reset the seed; watching them names the line behind a state change across a step.
+# torch_xla.torch_xla.sync is what torch_xla.step() calls; xm.mark_step calls torch_xla.sync.
+register_seed_api("torch_xla.core.xla_model", "mark_step", "xla", _no_argument)
+register_seed_api("torch_xla", "sync", "xla", _no_argument)
+register_seed_api("torch_xla.torch_xla", "sync", "xla", _no_argument)
+
+
+class _CheckpointFunctionShim:
+    """Stands in for torch_xla's ``CheckpointFunction``: marks forward and recompute passes."""
+
+    def __init__(self, original: Any) -> None:
+        self._original = original
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._original, name)
+
+    def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        from .mode import active_mode  # mode imports this module lazily; import back lazily too
+
+        mode = active_mode()
+        tracker = mode.recompute_tracker if mode is not None else None
+        if tracker is None:
+            return self._original.apply(function, preserve_rng_state, *args)
+        # torch_xla's checkpoint is torch's reentrant one plus the XLA seed (xm.set_rng_state of
+        # the default device), so it is compared and explained as a reentrant region.
+        region = tracker.new_region(
+            kind="reentrant",
+            preserve_rng_state=bool(preserve_rng_state),
+            args=args,
+            name="torch_xla checkpoint",
+            skip=1,
+        )
+        calls = itertools.count()
+
+        def run(*inner: Any) -> Any:
+            phase = Phase.FORWARD if next(calls) == 0 else Phase.RECOMPUTE
+            with tracker.phase(region, phase):
+                return function(*inner)
+
+        owner = getattr(function, "__self__", None)
+        if inspect.ismethod(function) and isinstance(owner, torch.nn.Module):
+            # torch_xla's backward puts the module's weights and buffers into the recompute's
+            # optimization barrier only when run_function is a bound method of that module
+            # (checkpoint_module passes one): keep it one, or the XLA graph would change.
+            return self._original.apply(
+                types.MethodType(lambda _module, *inner: run(*inner), owner),
+                preserve_rng_state,
+                *args,
+            )
+        return self._original.apply(run, preserve_rng_state, *args)
+
+
+class XlaSupport:
+    """What one active mode patched in torch_xla; ``uninstall`` puts everything back."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> XlaSupport:
+        module = importlib.import_module(_CHECKPOINT_MODULE)  # cheap once torch_xla is imported
+        original = module.CheckpointFunction
+        if isinstance(original, _CheckpointFunctionShim):  # left behind by a crashed mode
+            original = original._original
+        self._saved.append((module, "CheckpointFunction", original))
+        module.CheckpointFunction = _CheckpointFunctionShim(original)
+        return self
+
+    def uninstall(self) -> None:
+        saved, self._saved = self._saved, []
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+def install() -> XlaSupport:
+    """Patch torch_xla's checkpoint for the mode being entered; the mode calls ``uninstall``."""
+    return XlaSupport().install()
