@@ -370,7 +370,8 @@ class RNGConsistencyMode:
             out_of_band=oob,
             region=tracker.innermost() if in_region else "",
         )
-        self._record(event)
+        # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's group.
+        self._record(event, self._ranks.mesh_of(args, kwargs) if self._ranks is not None else None)
         return out
 
     def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -402,7 +403,7 @@ class RNGConsistencyMode:
         )
         self._record(event)
 
-    def _record(self, event: RandomOpEvent) -> None:
+    def _record(self, event: RandomOpEvent, mesh: Any = None) -> None:
         self._window.add(event)
         _trace.feed(self, event)
         if event.phase is Phase.BACKWARD:
@@ -410,7 +411,7 @@ class RNGConsistencyMode:
         if self.recompute_tracker is not None:
             self.recompute_tracker.on_event(event)
         if self._ranks is not None and event.expect != "ignore":
-            self._ranks.on_event(event)
+            self._ranks.on_event(event, mesh)
 
     def _phase(self) -> Phase:
         tracker = self.recompute_tracker

@@ -1,16 +1,967 @@
-"""Cross-rank exchange of RNG digests over torch.distributed (see issue: cross-rank divergence)."""
+"""Cross-rank exchange of RNG digests over torch.distributed, and the first divergent random op.
+
+Every random op the mode sees becomes a row of four int64s (its structure: op, generator and
+expectation; the stream it belongs to: expectation and rank group; the state before; after). Rows
+wait in this rank's pending window until an exchange point: every random op (``sync="op"``) or
+optimizer steps, every ``config.every`` random ops, ``mode.check()`` and exit (``sync="step"``),
+plus every torch.distributed collective the mode sees (an alignment point in both modes).
+
+At an exchange each rank folds its window into a fixed vector (a structure digest and ``K`` hashed
+stream slots, each packed as ``(x, -x)``) and the ranks run one all-reduce MAX over the checker's
+own gloo group: equal max and min mean every rank agrees. That costs the same bytes whatever the
+world size. Only on a mismatch do the ranks gather their rows (the window, ints only) and then
+the detail of the one divergent op (JSON text in a uint8 tensor; never pickle), so every rank
+builds the same finding from the same data. ``expect("differ")`` streams add one SUM all-reduce
+of packed bucket counts, only in windows that have such ops.
+
+Every collective passes the checker's group; a rank that does not arrive within
+``config.timeout`` gives a ``rank_missing`` finding (gloo honours the group timeout) instead of a
+hang, and after any finding the checker stops exchanging.
+"""
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import json
+import logging
+import struct
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from functools import lru_cache
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["start"]
+from .events import RandomOpEvent, SeedCall
+from .policy import current_expectation
+from .report import Finding, FindingKind, Side, format_ranks
+from .stacks import Stack
+
+__all__ = ["ExchangeStats", "RankChecker", "exchange_stats", "op_mesh", "start"]
+
+log = logging.getLogger(__name__)
+
+_SLOTS = 8  # hashed stream slots in the fast-path vector
+_HEADER = 7  # round, -round, point, -point, structure, -structure, differ flag
+_DIFFER_WORDS = 256  # 1024 buckets of 16-bit counts packed four to an int64
+_MASK62 = (1 << 62) - 1
+_ABSENT = -(1 << 63)  # MAX-neutral: a rank without a stream in a slot
+_ROW = 5  # structure, stream, before, after, policy
+_POLICY_CODE = {"same": 1, "differ": 2}
+_DATA_DIR = "/torch/utils/data/"
 
 
-def start(mode: Any) -> Any:
-    """The rank checker for ``mode``, or None in a single process."""
+class Point(enum.IntEnum):
+    """Where a rank stood when it joined an exchange; all ranks must stand at the same kind."""
+
+    RANDOM_OP = 1
+    COLLECTIVE = 2
+    OPTIMIZER_STEP = 3
+    EVERY = 4
+    CHECK = 5
+    EXIT = 6
+
+
+_POINT_TEXT = {
+    Point.RANDOM_OP: "a random op",
+    Point.COLLECTIVE: "a collective",
+    Point.OPTIMIZER_STEP: "an optimizer step",
+    Point.EVERY: "the every-N-ops exchange",
+    Point.CHECK: "mode.check()",
+    Point.EXIT: "the end of the checked block",
+}
+
+
+@dataclass(slots=True)
+class ExchangeStats:
+    """What the exchanges cost this rank: collective calls and bytes sent, fast path and slow."""
+
+    exchanges: int = 0
+    fast_calls: int = 0
+    fast_bytes: int = 0
+    slow_calls: int = 0
+    slow_bytes: int = 0
+    setup_calls: int = 0
+    setup_bytes: int = 0
+    mismatches: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _h62(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _MASK62
+
+
+@lru_cache(maxsize=4096)
+def _text_hash(*parts: str) -> int:
+    return _h62("\x1f".join(parts).encode()) or 1
+
+
+def _fold(values: Iterable[int]) -> int:
+    """A 62-bit digest of a sequence of signed 64-bit ints (never 0)."""
+    ints = list(values)
+    return _h62(struct.pack(f"<{len(ints)}q", *ints)) or 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups: which ranks an expectation spans, as the partition that contains this rank.
+
+
+def op_mesh(args: tuple, kwargs: dict) -> Any:
+    """The DeviceMesh of an op's first DTensor argument, or None."""
+    for v in (*args, *kwargs.values()):
+        mesh = getattr(v, "device_mesh", None)
+        if mesh is not None and hasattr(v, "placements"):
+            return mesh
+    return None
+
+
+def _is_mesh(spec: Any) -> bool:
+    return hasattr(spec, "mesh") and hasattr(spec, "mesh_dim_names") and hasattr(spec, "ndim")
+
+
+def _mesh_slice(mesh: Any, dims: Sequence[str], rank: int) -> tuple[int, ...] | None:
+    """The ranks of ``mesh`` that share this rank's coordinates outside ``dims``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [d for d in dims if d not in names]
+    if unknown:
+        raise ValueError(
+            f"mesh dimension(s) {unknown} are not in the DeviceMesh's dimensions {names}; "
+            "name dimensions of the mesh the op runs on"
+        )
+    ranks = mesh.mesh
+    where = (ranks == rank).nonzero()
+    if where.numel() == 0:
+        return None
+    coord = where[0].tolist()
+    index = tuple(slice(None) if names[i] in dims else coord[i] for i in range(len(names)))
+    return tuple(sorted(int(r) for r in ranks[index].flatten().tolist()))
+
+
+def resolve_group(spec: Any, rank: int, world: int, mesh: Any = None) -> tuple[int, ...] | None:
+    """This rank's partition of ``spec`` (sorted ranks), or None when the rank is not a member.
+
+    ``spec``: None (``mesh``'s ranks, or the world), a ProcessGroup, a list of ranks, a
+    DeviceMesh, or mesh dimension names (resolved against ``mesh``, or ``spec`` the DeviceMesh).
+    """
+    if spec is None:
+        ranks = mesh.mesh.flatten().tolist() if mesh is not None else range(world)
+    elif isinstance(spec, dist.ProcessGroup):
+        ranks = dist.get_process_group_ranks(spec)
+    elif _is_mesh(spec):
+        ranks = spec.mesh.flatten().tolist()
+    elif isinstance(spec, str) or (
+        isinstance(spec, (list, tuple)) and spec and all(isinstance(d, str) for d in spec)
+    ):
+        dims = (spec,) if isinstance(spec, str) else tuple(spec)
+        if mesh is None:
+            raise ValueError(
+                f"group={spec!r} names mesh dimensions, but there is no DeviceMesh to find them "
+                "in: pass the DeviceMesh (mesh['tp']) instead, or use the names inside DTensor "
+                "ops (they resolve against the op's own mesh)"
+            )
+        return _mesh_slice(mesh, dims, rank)
+    elif isinstance(spec, (list, tuple, range)) and all(isinstance(r, int) for r in spec):
+        ranks = spec
+    elif spec == dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    else:
+        raise TypeError(
+            "an rngcheck group must be None, a ProcessGroup, a list of ranks, a DeviceMesh or "
+            f"mesh dimension names; got {type(spec).__name__} {spec!r}"
+        )
+    members = tuple(sorted({int(r) for r in ranks}))
+    return members if rank in members else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The checker
+
+
+class RankChecker:
+    """Exchanges this rank's random-op digests with the other ranks of its group.
+
+    Made by :func:`start` on every rank (collectively: it creates the checker's gloo groups).
+
+    Known limitations:
+        A collective on a subgroup called by a non-member returns without reaching the dispatcher,
+        so that rank sees one alignment point fewer: call subgroup collectives on members only.
+        ``expect("differ")`` finds ranks that share a state over a whole window (or at one op,
+        with ``sync="op"``), not a pair that collides at one op of a longer window. Streams are
+        checked within the rank's ``group`` (its partition), not across partitions.
+    """
+
+    def __init__(self, mode: Any, side: Any, domain: tuple[int, ...], rank: int, world: int):
+        self._mode = mode
+        self._cfg = mode.config
+        self._side = side
+        self._domain = domain
+        self._domain_set = frozenset(domain)
+        self.rank = rank
+        self.world = world
+        self.stats = ExchangeStats()
+        self._pending: list[RandomOpEvent] = []
+        self._rows: list[tuple[int, int, int, int, int]] = []
+        self._round = 0
+        self._stopped = False
+        self._busy = False
+        self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
+        self._seen_generators: set[str] = set()
+        self._first_use: set[int] = set()  # pending indices that are a generator's first op
+        self._warned_specs: set[str] = set()
+        self._timeout = timedelta(seconds=float(self._cfg.timeout))
+        self._hook = None
+        if self._cfg.sync == "step":
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._hook = register_optimizer_step_post_hook(self._on_step)
+        report = mode._report
+        report.rank, report.world_size = rank, world
+        self._publish()
+
+    # -- inputs from the mode ----------------------------------------------------------------
+
+    def on_event(self, event: RandomOpEvent, mesh: Any = None) -> None:
+        if self._stopped or self._busy:
+            return
+        exp = current_expectation()
+        spec = exp.group if exp is not None else None
+        members = self._members(spec, mesh)
+        policy = event.expect if event.expect in _POLICY_CODE else "same"
+        stream = _text_hash(policy, ",".join(map(str, members))) if members else 0
+        gen = event.generator.key
+        if gen not in self._seen_generators:
+            self._seen_generators.add(gen)
+            self._first_use.add(len(self._pending))
+        self._pending.append(event)
+        self._rows.append(
+            (
+                _text_hash(event.op, gen),
+                stream,
+                event.before if event.before is not None else 0,
+                event.after if event.after is not None else 0,
+                _POLICY_CODE[policy],
+            )
+        )
+        if self._cfg.sync == "op":
+            self._exchange(Point.RANDOM_OP, event.op)
+        elif len(self._rows) >= self._cfg.every:
+            self._exchange(Point.EVERY, "")
+
+    @staticmethod
+    def mesh_of(args: tuple, kwargs: dict) -> Any:
+        """The DeviceMesh a random op runs over (a DTensor op), or None."""
+        return op_mesh(args, kwargs)
+
+    def on_collective(self, func: Any) -> None:
+        self._exchange(Point.COLLECTIVE, str(func))
+
+    def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
+
+    def check(self) -> None:
+        self._exchange(Point.CHECK, "mode.check()")
+
+    def finish(self) -> None:
+        self._exchange(Point.EXIT, "")
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._stopped = True
+        self._pending.clear()
+        self._rows.clear()
+        side, self._side = self._side, None
+        if side is not None:
+            try:
+                dist.destroy_process_group(side)
+            except Exception:  # noqa: BLE001 - a group broken by a timeout cannot always be torn down
+                log.debug("rngcheck could not destroy its side group", exc_info=True)
+        self._publish()
+
+    def renders(self, finding: Finding) -> bool:
+        """One merged rendering: the lowest rank that is involved (or that waited) draws it."""
+        if finding.kind is FindingKind.RANK_MISSING:
+            waited = finding.sides[0].ranks if finding.sides else ()
+            return self.rank == min(waited or (self.rank,))
+        if not finding.ranks:
+            return True  # a local finding (a recompute mismatch): each rank draws its own
+        return self.rank == min(finding.ranks)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def _members(self, spec: Any, mesh: Any) -> tuple[int, ...] | None:
+        key = (
+            tuple(spec)
+            if isinstance(spec, list)
+            else spec
+            if isinstance(spec, (str, tuple))
+            else id(spec),
+            id(mesh),
+        )
+        hit = self._groups.get(key)
+        if hit is None:
+            try:
+                members = resolve_group(spec, self.rank, self.world, mesh)
+            except (TypeError, ValueError) as e:
+                text = str(e)
+                if text not in self._warned_specs:
+                    self._warned_specs.add(text)
+                    warnings.warn(
+                        f"rngcheck: {text}; checking over the mode's group instead", stacklevel=4
+                    )
+                members = self._domain
+            if members is not None:
+                members = tuple(r for r in members if r in self._domain_set)
+                if len(members) < 2:
+                    members = None
+            hit = self._groups[key] = ((spec, mesh), members)  # refs keep the ids from reuse
+        return hit[1]
+
+    # -- exchange ----------------------------------------------------------------------------
+
+    def _exchange(self, point: Point, where: str) -> None:
+        if self._stopped or self._busy or self._side is None:
+            return
+        self._busy = True
+        finding = None
+        try:
+            with torch._C._DisableTorchDispatch(), torch.no_grad():
+                finding = self._exchange_now(point, where)
+        finally:
+            self._busy = False
+            self._publish()
+        if finding is not None:
+            self._mode._emit(finding)
+
+    def _all_reduce(self, kind: str, t: torch.Tensor, op: Any) -> None:
+        nbytes = t.numel() * t.element_size()
+        if kind == "fast":
+            self.stats.fast_calls += 1
+            self.stats.fast_bytes += nbytes
+        else:
+            self.stats.slow_calls += 1
+            self.stats.slow_bytes += nbytes
+        dist.all_reduce(t, op, group=self._side)
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(t) for _ in self._domain]
+        self.stats.slow_calls += 1
+        self.stats.slow_bytes += t.numel() * t.element_size()
+        dist.all_gather(out, t, group=self._side)
+        return out
+
+    def _exchange_now(self, point: Point, where: str) -> Finding | None:
+        self._round += 1
+        self.stats.exchanges += 1
+        rows, events = self._rows, self._pending
+        vec, differ = self._fast_vector(point, rows)
+        try:
+            self._all_reduce("fast", vec, dist.ReduceOp.MAX)
+            mismatch = _mismatched(vec)
+            if int(vec[6]) > 0:  # some rank has expect("differ") ops in this window
+                self._all_reduce("fast", differ, dist.ReduceOp.SUM)
+                mismatch = mismatch or _bucket_clash(differ)
+            if not mismatch:
+                self._clear()
+                return None
+            self.stats.mismatches += 1
+            return self._slow_path(point, where, rows, events)
+        except RuntimeError as e:  # gloo: timeout, or a peer that went away
+            self._stopped = True
+            return self._missing(point, where, e)
+
+    def _clear(self) -> None:
+        self._rows = []
+        self._pending = []
+        self._first_use = set()
+
+    def _fast_vector(self, point: Point, rows: list[tuple[int, ...]]) -> tuple[torch.Tensor, Any]:
+        structure = _fold(r[0] for r in rows) if rows else 1
+        slots: dict[int, list[int]] = {}
+        differ: dict[int, list[tuple[int, ...]]] = {}
+        for r in rows:
+            if r[1] == 0:
+                continue
+            (differ if r[4] == 2 else slots).setdefault(r[1], []).append(r)  # type: ignore[arg-type]
+        values = [_ABSENT] * (2 * _SLOTS)
+        by_slot: dict[int, list[int]] = {}
+        for stream, srows in slots.items():
+            x = _fold([stream, *(v for r in srows for v in (r[0], r[2], r[3]))])
+            by_slot.setdefault(stream % _SLOTS, []).append(x)
+        for slot, xs in by_slot.items():
+            x = _fold(sorted(xs)) if len(xs) > 1 else xs[0]
+            values[2 * slot], values[2 * slot + 1] = x, -x
+        vec = torch.tensor(
+            [
+                self._round,
+                -self._round,
+                int(point),
+                -int(point),
+                structure,
+                -structure,
+                1 if differ else 0,
+                *values,
+            ],
+            dtype=torch.int64,
+        )
+        buckets = None
+        if differ:
+            packed = [0] * _DIFFER_WORDS
+            for stream, srows in differ.items():
+                b = _fold([stream, *(v for r in srows for v in (r[0], r[2]))]) % (4 * _DIFFER_WORDS)
+                packed[b // 4] += 1 << (16 * (b % 4))
+            buckets = torch.tensor(packed, dtype=torch.int64)
+        else:
+            buckets = torch.zeros(_DIFFER_WORDS, dtype=torch.int64)
+        return vec, buckets
+
+    # -- slow path: gather the windows, find the first divergent op, gather its detail -------
+
+    def _slow_path(
+        self, point: Point, where: str, rows: list[tuple[int, ...]], events: list[RandomOpEvent]
+    ) -> Finding | None:
+        head = torch.tensor([len(rows), self._round, int(point)], dtype=torch.int64)
+        heads = [h.tolist() for h in self._all_gather(head)]
+        length = max(h[0] for h in heads)
+        mine = torch.zeros((max(length, 1), _ROW), dtype=torch.int64)
+        if rows:
+            mine[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        gathered = self._all_gather(mine)
+        windows = {
+            rank: [tuple(r) for r in t[: h[0]].tolist()]
+            for rank, t, h in zip(self._domain, gathered, heads, strict=True)
+        }
+        points = {rank: Point(h[2]) for rank, h in zip(self._domain, heads, strict=True)}
+        spot = _localise(windows, points)
+        if spot is None:  # two streams shared a hashed slot: no real divergence
+            self._clear()
+            return None
+        index = spot.index_for(self.rank, windows[self.rank])
+        stack = Stack.capture(skip=4)
+        blob = {
+            "event": events[index].to_dict() if 0 <= index < len(events) else None,
+            "point": _point_text(points[self.rank], where, stack),
+            "seed_calls": self._seed_calls(events[index]) if index in self._first_use else [],
+        }
+        details = self._gather_text(json.dumps(blob))
+        self._stopped = True  # one report, then no more exchanges: later ops would all differ
+        self._clear()
+        return _build_finding(spot, windows, details, self._domain)
+
+    def _gather_text(self, text: str) -> dict[int, dict[str, Any]]:
+        data = text.encode()
+        sizes = self._all_gather(torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = self._all_gather(buf)
+        return {
+            rank: json.loads(bytes(t[: int(s)].tolist()).decode())
+            for rank, t, s in zip(self._domain, out, sizes, strict=True)
+        }
+
+    def _seed_calls(self, event: RandomOpEvent) -> list[dict[str, Any]]:
+        """Seeding calls since the mode started that reached this op's generator (its first op)."""
+        if event.out_of_band is not None or not event.generator.is_default:
+            return []
+        calls = self._mode._seeds.since(0, event.generator.device)
+        return [c.to_dict() for c in calls if not c.by_torch]
+
+    def _missing(self, point: Point, where: str, error: BaseException) -> Finding:
+        """A rank did not arrive in time: find out which through the store, and say so."""
+        stack = Stack.capture(skip=3)
+        here = _point_text(point, where, stack)
+        arrived = _arrivals(self._side, self._round, self.rank, self._domain, self._cfg.timeout)
+        missing = tuple(r for r in self._domain if r not in arrived)
+        late = not missing  # everyone else also gave up here: this rank is the one that came late
+        if late:
+            missing = (self.rank,)
+            arrived = tuple(r for r in self._domain if r != self.rank)
+        last = self._pending[-1] if self._pending else None
+        message = (
+            f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{self._round} within "
+            f"{self._cfg.timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
+        )
+        if late:
+            message = (
+                f"this rank ({self.rank}) reached RNG exchange #{self._round} at {here} after "
+                f"rank(s) {format_ranks(arrived)} had given up waiting ({self._cfg.timeout:g} s)"
+            )
+        return Finding(
+            kind=FindingKind.RANK_MISSING,
+            message=message,
+            op=last.op if last is not None else "",
+            cause=(
+                "the missing rank(s) stopped running the code the others run: an early return "
+                "or exception on that rank, a hang, a crash, or a different number of optimizer "
+                "steps or collectives. rngcheck stopped exchanging so the program does not hang "
+                f"on it ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+            ),
+            differs="arrival",
+            ranks=missing,
+            stack=stack,
+            sides=(
+                Side(label="arrived", ranks=arrived, note=f"waited at {here}"),
+                Side(label="missing", ranks=missing, note="did not reach the exchange"),
+            ),
+            seq=last.seq if last is not None else -1,
+        )
+
+    def _publish(self) -> None:
+        self._mode._report.meta["rank_exchange"] = self.stats.to_dict()
+
+
+def _mismatched(vec: torch.Tensor) -> bool:
+    v = vec.tolist()
+    if v[0] != -v[1] or v[2] != -v[3] or v[4] != -v[5]:
+        return True
+    return any(v[i] != _ABSENT and v[i] != -v[i + 1] for i in range(_HEADER, len(v), 2))
+
+
+def _bucket_clash(buckets: torch.Tensor) -> bool:
+    for word in buckets.tolist():
+        for k in range(4):
+            if (word >> (16 * k)) & 0xFFFF >= 2:
+                return True
+    return False
+
+
+def _point_text(point: Point, where: str, stack: Stack) -> str:
+    what = where or _POINT_TEXT[point]
+    if point is Point.COLLECTIVE:
+        what = f"collective {where}"
+    site = stack.call_site
+    return f"{what} at {site.short_location}" if site is not None and site.user else what
+
+
+def _arrivals(side: Any, round_: int, rank: int, domain: tuple[int, ...], timeout: float) -> tuple:
+    """The ranks that reached exchange ``round_`` (they post a key when their wait fails)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        prefix = f"rngcheck/{side.group_name}/{round_}/"
+        store.set(prefix + str(rank), "1")
+        deadline = time.monotonic() + min(5.0, timeout)
+        keys = [prefix + str(r) for r in domain]
+        while True:
+            here = tuple(r for r, k in zip(domain, keys, strict=True) if store.check([k]))
+            if len(here) == len(domain) or time.monotonic() > deadline:
+                return here
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - no store to ask: only this rank is known to be here
+        log.debug("rngcheck could not read arrivals from the store", exc_info=True)
+        return (rank,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Localising: pure functions of the gathered windows (every rank computes the same answer)
+
+
+@dataclass(frozen=True, slots=True)
+class _Spot:
+    kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
+    index: int  # position in the windows (flow, points) or in the stream (state, collision)
+    stream: int = 0
+
+    def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
+        if self.kind in ("flow", "points"):
+            return self.index
+        positions = [i for i, r in enumerate(window) if r[1] == self.stream]
+        return positions[self.index] if self.index < len(positions) else -1
+
+
+def _localise(windows: dict[int, list[tuple]], points: dict[int, Point]) -> _Spot | None:
+    length = max(len(w) for w in windows.values())
+    for i in range(length):
+        if len({w[i][0] if i < len(w) else None for w in windows.values()}) > 1:
+            return _Spot("flow", i)
+    streams: dict[int, dict[int, list[tuple]]] = {}
+    for rank, w in windows.items():
+        for r in w:
+            if r[1]:
+                streams.setdefault(r[1], {}).setdefault(rank, []).append(r)
+    first: _Spot | None = None
+    first_pos = length
+    for stream, by_rank in streams.items():
+        if len(by_rank) < 2:
+            continue
+        for j in range(min(len(v) for v in by_rank.values())):
+            at = [v[j] for v in by_rank.values()]
+            if at[0][4] == 2:
+                states = [r[2] for r in at]
+                bad = len(set(states)) < len(states)
+                kind = "collision"
+            else:
+                bad = len({(r[2], r[3]) for r in at}) > 1
+                kind = "state"
+            if bad:
+                rank0 = min(by_rank)
+                pos = [i for i, r in enumerate(windows[rank0]) if r[1] == stream][j]
+                if pos < first_pos:
+                    first, first_pos = _Spot(kind, j, stream), pos
+                break
+    if first is not None:
+        return first
+    if len(set(points.values())) > 1:
+        return _Spot("points", length)
+    return None
+
+
+def _groups(keys: dict[int, Any]) -> list[tuple[int, ...]]:
+    """Ranks grouped by key, the largest group first (ties: the group with the lowest rank)."""
+    by: dict[Any, list[int]] = {}
+    for rank, key in sorted(keys.items()):
+        by.setdefault(key, []).append(rank)
+    return sorted((tuple(v) for v in by.values()), key=lambda g: (-len(g), g[0]))
+
+
+def _event(detail: dict[str, Any]) -> RandomOpEvent | None:
+    data = detail.get("event")
+    return RandomOpEvent.from_dict(data) if data else None
+
+
+def _ranks_word(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
+
+
+def _build_finding(
+    spot: _Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
+) -> Finding:
+    if spot.kind == "flow":
+        return _flow_finding(spot, windows, details, domain)
+    if spot.kind == "points":
+        return _points_finding(details, domain)
+    involved = {
+        r: details[r]
+        for r in domain
+        if details[r].get("event") is not None
+        and windows[r]
+        and any(row[1] == spot.stream for row in windows[r])
+    }
+    events = {r: _event(d) for r, d in involved.items()}
+    if spot.kind == "collision":
+        return _collision_finding(events, details)
+    return _state_finding(events, details)
+
+
+def _sides(
+    groups: list[tuple[int, ...]],
+    events: dict[int, RandomOpEvent | None],
+    details: dict[int, dict],
+    labels: Sequence[str],
+) -> tuple[Side, ...]:
+    sides = []
+    for label, ranks in zip(labels, groups, strict=False):
+        ev = events.get(ranks[0])
+        note = (
+            "" if ev is not None else f"ran no random op here; reached {details[ranks[0]]['point']}"
+        )
+        sides.append(Side(label=label, ranks=ranks, event=ev, note=note))
+    return tuple(sides)
+
+
+def _labels(groups: list[tuple[int, ...]], culprit: int) -> tuple[list[tuple[int, ...]], list[str]]:
+    """Order sides reference first, then the culprit; name them majority/outliers when there is
+    a majority, reference/divergent when the split is even."""
+    ordered = [
+        groups[0],
+        groups[culprit],
+        *(g for i, g in enumerate(groups) if i not in (0, culprit)),
+    ]
+    majority = len(groups[0]) > max(len(g) for g in groups[1:])
+    names = ("majority", "outliers") if majority else ("reference", "divergent")
+    return ordered, [names[0]] + [names[1]] * (len(ordered) - 1)
+
+
+def _flow_finding(
+    spot: _Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
+) -> Finding:
+    i = spot.index
+    at = {r: (windows[r][i][0] if i < len(windows[r]) else None) for r in domain}
+    nxt = {r: (windows[r][i + 1][0] if i + 1 < len(windows[r]) else None) for r in domain}
+    groups = _groups(at)
+    events = {r: _event(details[r]) for r in domain}
+    a, b = groups[0], groups[1]
+    # Which side ran the extra op? The one whose next op is what the other side runs now.
+    culprit = 1
+    extra_side: tuple[int, ...] | None = None
+    if at[b[0]] is not None and nxt[b[0]] == at[a[0]]:
+        extra_side = b
+    elif at[a[0]] is not None and (nxt[a[0]] == at[b[0]] or at[b[0]] is None):
+        extra_side = a
+        if len(a) == len(b):
+            culprit = 0
+    elif at[a[0]] is None:
+        extra_side = b
+    if culprit == 0:
+        groups = [b, a, *groups[2:]]
+        culprit = 1
+    ordered, labels = _labels(groups, culprit)
+    sides = _sides(ordered, events, details, labels)
+    ref, odd = sides[0], sides[1]
+    if extra_side is not None:
+        others = tuple(r for r in domain if r not in extra_side)
+        ev = events[extra_side[0]]
+        assert ev is not None
+        cause = (
+            f"{_ranks_word(extra_side)} ran an extra random op, {ev.op} on {ev.generator.label} "
+            f"at {ev.site}, that {_ranks_word(others)} did not run there (control flow that "
+            "depends on the rank)"
+        )
+        if any(_DATA_DIR in f.filename for f in ev.stack.frames):
+            cause += (
+                ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
+                "from the global generator, so iterating a loader on some ranks only shifts every "
+                "later random op there; iterate it on every rank or give the DataLoader its own "
+                "generator="
+            )
+        elif not ev.generator.is_default:
+            cause += f"; this advanced {ev.generator.label} on those ranks only"
+    else:
+        cause = "the ranks ran different random ops here: " + "; ".join(
+            f"{_ranks_word(s.ranks)} ran {s.event.op} at {s.event.site}"
+            if s.event
+            else f"{_ranks_word(s.ranks)} {s.note}"
+            for s in sides
+        )
+    lead = odd.event or ref.event
+    assert lead is not None
+    return Finding(
+        kind=FindingKind.RANK_DIVERGENCE,
+        message=(
+            f"the ranks ran different random ops: {_describe(ref)} but {_describe(odd)} "
+            f"(random op #{(lead.seq)} on {_ranks_word(odd.ranks)})"
+        ),
+        op=lead.op,
+        cause=cause,
+        differs="op",
+        ranks=tuple(domain),
+        stack=lead.stack,
+        other_stack=(ref.event or odd.event).stack if ref.event and odd.event else None,
+        sides=sides,
+        seq=lead.seq,
+    )
+
+
+def _describe(side: Side) -> str:
+    who = _ranks_word(side.ranks)
+    if side.event is None:
+        return f"{who} {side.note}"
+    return f"{who} ran {side.event.op} at {side.event.site}"
+
+
+def _points_finding(details: dict[int, dict], domain: tuple) -> Finding:
+    groups = _groups({r: details[r]["point"].split(" at ")[0] for r in domain})
+    ordered, labels = _labels(groups, len(groups) - 1)
+    sides = tuple(
+        Side(label=label, ranks=g, note=f"reached {details[g[0]]['point']}")
+        for label, g in zip(labels, ordered, strict=False)
+    )
+    return Finding(
+        kind=FindingKind.RANK_DIVERGENCE,
+        message="the ranks reached different exchange points after the same random ops: "
+        + "; ".join(f"{_ranks_word(s.ranks)} {s.note}" for s in sides),
+        op="",
+        cause=(
+            "control flow differs across ranks between random ops (a different number of "
+            "optimizer steps, collectives or check() calls); rngcheck stopped exchanging"
+        ),
+        differs="exchange point",
+        ranks=tuple(domain),
+        sides=sides,
+    )
+
+
+def _seed_text(detail: dict[str, Any], event: RandomOpEvent) -> str:
+    if event.out_of_band is not None and event.out_of_band.user_calls:
+        return event.out_of_band.describe()
+    calls = [SeedCall.from_dict(c) for c in detail.get("seed_calls", [])]
+    return "; ".join(c.text for c in calls)
+
+
+def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, dict]) -> Finding:
+    evs = {r: e for r, e in events.items() if e is not None}
+    before_differs = len({e.before for e in evs.values()}) > 1
+    groups = _groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
+    seeds = {g: _seed_text(details[g[0]], evs[g[0]]) for g in groups}
+    culprit = len(groups) - 1 if len(groups[0]) > len(groups[-1]) else 1
+    if len(groups[0]) == len(groups[1]) and seeds[groups[0]] and not seeds[groups[1]]:
+        culprit = 0
+    groups_c = list(groups)
+    if culprit == 0:
+        groups_c = [groups[1], groups[0], *groups[2:]]
+        culprit = 1
+    ordered, labels = _labels(groups_c, culprit)
+    sides = _sides(ordered, evs, details, labels)
+    ref, odd = sides[0], sides[1]
+    ev = odd.event
+    assert ev is not None and ref.event is not None
+    gen = ev.generator.label
+    if not before_differs:
+        cause = (
+            f"the op itself drew differently: arguments {', '.join(ref.event.args)} on "
+            f"{_ranks_word(ref.ranks)} versus {', '.join(ev.args)} on {_ranks_word(odd.ranks)}"
+        )
+    elif seeds[odd.ranks] and seeds[ref.ranks] and seeds[odd.ranks] != seeds[ref.ranks]:
+        cause = (
+            f"the ranks seeded {gen} differently: {_ranks_word(ref.ranks)} {seeds[ref.ranks]}; "
+            f"{_ranks_word(odd.ranks)} {seeds[odd.ranks]}. A seed that depends on the rank "
+            "(seed + rank) before building a replicated model makes replicas differ; seed every "
+            "rank alike, and scope per-rank streams with rngcheck.expect('differ')"
+        )
+    elif seeds[odd.ranks]:
+        cause = f"{_ranks_word(odd.ranks)} changed {gen} outside a random op: {seeds[odd.ranks]}"
+    elif ev.out_of_band is not None:
+        cause = f"{_ranks_word(odd.ranks)}: {gen} {ev.out_of_band.describe()}"
+    elif not ev.generator.is_default:
+        cause = (
+            f"{gen} is in a different state on {_ranks_word(odd.ranks)}: it was seeded differently "
+            "or advanced on those ranks only, where rngcheck could not see it (before the checker "
+            "started, or by Generator.manual_seed / set_state)"
+        )
+    else:
+        cause = (
+            f"{gen} already differed when the checker first compared it: the ranks were seeded "
+            "differently (a seed that depends on the rank) or some drew random numbers before "
+            "the checker started"
+        )
+    what = "before" if before_differs else "after"
+    return Finding(
+        kind=FindingKind.RANK_DIVERGENCE,
+        message=(
+            f"ranks that must hold the same {gen} state do not: {_ranks_word(ref.ranks)} and "
+            f"{_ranks_word(odd.ranks)} differ {what} {ev.op} at {ev.site} (random op #{ev.seq})"
+        ),
+        op=ev.op,
+        cause=cause,
+        differs="state" if before_differs else "state after",
+        ranks=tuple(sorted(evs)),
+        stack=ev.stack,
+        other_stack=ref.event.stack,
+        sides=sides,
+        seq=ev.seq,
+    )
+
+
+def _collision_finding(
+    events: dict[int, RandomOpEvent | None], details: dict[int, dict]
+) -> Finding:
+    evs = {r: e for r, e in events.items() if e is not None}
+    groups = _groups({r: e.before for r, e in evs.items()})
+    shared = [g for g in groups if len(g) > 1]
+    sides = tuple(
+        Side(label="share a state" if len(g) > 1 else "distinct", ranks=g, event=evs[g[0]])
+        for g in groups
+    )
+    ev = evs[shared[0][0]]
+    seeds = _seed_text(details[shared[0][0]], ev)
+    cause = (
+        f"{_ranks_word(shared[0])} hold the same {ev.generator.label} state under "
+        "expect('differ'): the per-rank stream was not offset by rank"
+    )
+    if seeds:
+        cause += f" ({seeds})"
+    return Finding(
+        kind=FindingKind.RANK_COLLISION,
+        message=(
+            f"{_ranks_word(shared[0])} must draw different numbers but share the "
+            f"{ev.generator.label} state before {ev.op} at {ev.site} (random op #{ev.seq})"
+        ),
+        op=ev.op,
+        cause=cause,
+        differs="state",
+        ranks=tuple(sorted(evs)),
+        stack=ev.stack,
+        sides=sides,
+        seq=ev.seq,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up
+
+
+def start(mode: Any) -> RankChecker | None:
+    """The rank checker for ``mode``, or None in a single process (or outside ``group``).
+
+    Collective: every rank must call it (at ``__enter__``, or ``bind_distributed()``), because it
+    creates the checker's gloo groups and agrees on the configuration.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    raise NotImplementedError("cross-rank checking is not implemented yet")
+    cfg = mode.config
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timeout = timedelta(seconds=float(cfg.timeout))
+    with torch._C._DisableTorchDispatch():
+        world_side = dist.new_group(backend="gloo", timeout=timeout)
+        domain = resolve_group(cfg.group, rank, world, cfg.group if _is_mesh(cfg.group) else None)
+        # One start-up gather (O(world), once): every rank's group and settings, so that all ranks
+        # create the same side groups in the same order and refuse mismatched settings.
+        mine = [-1] * world
+        for r in domain or ():
+            mine[r] = 1
+        settings = [_text_hash(cfg.sync, cfg.expect, str(cfg.every)), *mine]
+        t = torch.tensor(settings, dtype=torch.int64)
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t, group=world_side)
+        rows = [o.tolist() for o in out]
+        if len({r[0] for r in rows}) > 1:
+            dist.destroy_process_group(world_side)
+            raise ValueError(
+                "rngcheck needs the same sync, expect and every settings on every rank; the ranks "
+                "were started with different ones (check the RNGCHECK_* environment of each rank)"
+            )
+        parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
+        _check_disjoint(parts)
+        side = world_side
+        if parts != [tuple(range(world))]:
+            side = None
+            for part in parts:  # every rank creates every group, in the same order
+                g = dist.new_group(ranks=list(part), backend="gloo", timeout=timeout)
+                if domain is not None and part == domain:
+                    side = g
+            dist.destroy_process_group(world_side)
+    if domain is None or side is None:
+        log.info(
+            "rngcheck: rank %d is outside group=%r; it is not checked across ranks", rank, cfg.group
+        )
+        return None
+    setup = ExchangeStats(setup_calls=1, setup_bytes=t.numel() * t.element_size())
+    checker = RankChecker(mode, side, domain, rank, world)
+    checker.stats.setup_calls, checker.stats.setup_bytes = setup.setup_calls, setup.setup_bytes
+    checker._publish()
+    return checker
+
+
+def _check_disjoint(parts: list[tuple[int, ...]]) -> None:
+    seen: dict[int, tuple[int, ...]] = {}
+    for part in parts:
+        for r in part:
+            if r in seen:
+                raise ValueError(
+                    f"rngcheck: the ranks passed overlapping groups {seen[r]} and {part} as "
+                    "group=; each rank's group must be a partition of the world (the same list on "
+                    "every rank, or one DeviceMesh dimension)"
+                )
+            seen[r] = part
+
+
+def exchange_stats(mode: Any = None) -> dict[str, int]:
+    """The cross-rank exchange counters of ``mode`` (default: the active mode), as plain data."""
+    if mode is None:
+        from .mode import active_mode
+
+        mode = active_mode()
+    if mode is None:
+        return {}
+    return dict(mode.report.meta.get("rank_exchange", {}))

@@ -1,0 +1,178 @@
+"""Start real gloo process groups on 127.0.0.1 for tests, with a hard timeout on everything.
+
+One launch runs several *scenarios* (plain functions in a test module) one after another in the
+same process group, so a test file pays the torch import and the rendezvous once::
+
+    results = run_scenarios(__file__, ["clean_training", "extra_draw"], world_size=2)
+    results["extra_draw"][1]  # what rank 1's scenario function returned (plain JSON data)
+
+Each scenario is called as ``fn(rank, world_size)`` in every rank and returns JSON-able data; the
+parent reads it back from files (never pickle). A scenario that raises returns
+``{"error": type name, "message": text}`` for that rank instead. Every worker runs in its own
+session so a timeout kills the whole process tree and the test fails instead of hanging CI.
+
+Run ``python tests/_dist.py MODULE_PATH NAMES OUT_DIR`` with RANK/WORLD_SIZE/MASTER_* set to
+reproduce one rank by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DistRun", "free_port", "run_scenarios"]
+
+_REPO = Path(__file__).resolve().parent.parent
+_COLLECTIVE_TIMEOUT_S = 60  # the training group's own timeout inside workers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class DistRun:
+    """What one launch produced: per-scenario, per-rank results, and each rank's stderr."""
+
+    results: dict[str, dict[int, Any]]
+    stderr: dict[int, str]
+    wall_s: float
+
+    def __getitem__(self, name: str) -> dict[int, Any]:
+        if name not in self.results:
+            raise KeyError(
+                f"scenario {name!r} left no result; stderr of the ranks:\n"
+                + "\n".join(f"--- rank {r}\n{t[-4000:]}" for r, t in sorted(self.stderr.items()))
+            )
+        return self.results[name]
+
+
+def run_scenarios(
+    module_path: str | os.PathLike[str],
+    names: Sequence[str],
+    *,
+    world_size: int,
+    out_dir: str | os.PathLike[str],
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> DistRun:
+    """Run the named scenarios of ``module_path`` in ``world_size`` gloo ranks; kill on timeout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    errs = []
+    start = time.monotonic()
+    for rank in range(world_size):
+        child_env = dict(os.environ)
+        child_env.update(env or {})
+        child_env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(_REPO), child_env.get("PYTHONPATH", "")]),
+        )
+        err = open(out / f"stderr.{rank}.txt", "wb")  # noqa: SIM115 - closed below
+        errs.append(err)
+        cmd = [sys.executable, __file__, str(module_path), ",".join(names), str(out)]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=child_env, stdout=err, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    timed_out = False
+    try:
+        for p in procs:
+            left = timeout - (time.monotonic() - start)
+            try:
+                p.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for e in errs:
+            e.close()
+    wall = time.monotonic() - start
+    stderr = {r: (out / f"stderr.{r}.txt").read_text(errors="replace") for r in range(world_size)}
+    if timed_out:
+        raise TimeoutError(
+            f"distributed scenarios {list(names)} did not finish within {timeout} s; killed. "
+            + "\n".join(f"--- rank {r}\n{t[-3000:]}" for r, t in sorted(stderr.items()))
+        )
+    results: dict[str, dict[int, Any]] = {}
+    for name in names:
+        per_rank = {}
+        for rank in range(world_size):
+            f = out / f"{name}.{rank}.json"
+            if f.exists():
+                per_rank[rank] = json.loads(f.read_text())
+        if len(per_rank) == world_size:
+            results[name] = per_rank
+    return DistRun(results=results, stderr=stderr, wall_s=wall)
+
+
+def _load(module_path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("_rngcheck_scenarios", module_path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker(module_path: str, names: list[str], out: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=_COLLECTIVE_TIMEOUT_S))
+    module = _load(module_path)
+    try:
+        for name in names:
+            torch.manual_seed(0)
+            fn = getattr(module, name)
+            try:
+                result = fn(rank, world)
+            except Exception as e:  # noqa: BLE001 - reported to the parent as data
+                result = {
+                    "error": type(e).__name__,
+                    "message": str(e),
+                    "traceback": traceback.format_exc(),
+                }
+            (out / f"{name}.{rank}.json").write_text(json.dumps(result, default=str))
+            if getattr(fn, "breaks_group", False):
+                break  # the scenario left the group unusable (a rank that stopped): end here
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], sys.argv[2].split(","), Path(sys.argv[3])))
