@@ -466,10 +466,11 @@ def _cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: 
             f"device ({', '.join(region.devices) or 'none'}) only. Pass a {device_type} tensor "
             "as an argument, or seed that generator inside the function."
         )
-    if _continues_forward(region, r):
+    if _continues_forward(region, r) and (region.kind != "custom" or swaps_fwd):
         # The recompute drew from a state the forward left this generator in, although the
         # checkpoint restored the generator at the region's start: something inside the region
-        # swapped a saved state in, and that saved state was not rewound.
+        # swapped a saved state in, and that saved state was not rewound. (A custom checkpoint
+        # that restores nothing continues the stream too; without a swap seen, blame it.)
         return _stream_cause(gen.label, swaps_fwd[-1] if swaps_fwd else None)
     if region.kind == "custom":
         return (

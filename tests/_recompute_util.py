@@ -3,10 +3,13 @@ and assert a recompute finding completely (kind, op, differing element, user lin
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
 
 import rngcheck
 from rngcheck import Finding, FindingKind, Report
@@ -72,3 +75,27 @@ def assert_recompute_finding(
         assert text in finding.cause, f"{text!r} not in cause: {finding.cause}"
     assert finding.region, "a recompute finding names its region"
     return finding
+
+
+class CPURNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker on CPU: named streams swapped in and out of the default
+    generator with torch.get_rng_state/set_rng_state."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, seed: int) -> None:
+        outside = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states[name] = torch.get_rng_state()
+        torch.set_rng_state(outside)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        outside = torch.get_rng_state()
+        torch.set_rng_state(self.states[name])  # <- tracker swap in
+        try:
+            yield
+        finally:
+            self.states[name] = torch.get_rng_state()
+            torch.set_rng_state(outside)

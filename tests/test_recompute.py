@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import _recompute_util
 import pytest
 import torch
 import torch.nn.functional as F
-from _recompute_util import assert_recompute_finding, run, short
+from _recompute_util import CPURNGStatesTracker, assert_recompute_finding, run, short
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
@@ -257,30 +258,6 @@ def test_argument_changed_between_forward_and_backward(reentrant):
     assert "keep probability" in finding.message
 
 
-class CPURNGStatesTracker:
-    """Megatron's CudaRNGStatesTracker on CPU: named streams swapped in and out of the default
-    generator with torch.get_rng_state/set_rng_state."""
-
-    def __init__(self) -> None:
-        self.states: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, seed: int) -> None:
-        outside = torch.get_rng_state()
-        torch.manual_seed(seed)
-        self.states[name] = torch.get_rng_state()
-        torch.set_rng_state(outside)
-
-    @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
-        outside = torch.get_rng_state()
-        torch.set_rng_state(self.states[name])  # <- tracker swap in
-        try:
-            yield
-        finally:
-            self.states[name] = torch.get_rng_state()
-            torch.set_rng_state(outside)
-
-
 @REENTRANT
 def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
     lin = nn.Linear(16, 16)
@@ -300,7 +277,7 @@ def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
         cause=[
             "named RNG stream",
             "fork()",
-            f"torch.set_rng_state(<state>) at {short('tracker swap in', __file__)}",
+            f"torch.set_rng_state(<state>) at {short('tracker swap in', _recompute_util.__file__)}",
             "did not rewind",
         ],
     )
