@@ -242,7 +242,7 @@ class RankChecker:
         self._pending.append(event)
         self._rows.append(
             (
-                _text_hash(event.op, gen),
+                _text_hash(event.op, gen, *event.args),
                 stream,
                 event.before if event.before is not None else 0,
                 event.after if event.after is not None else 0,

@@ -1,0 +1,540 @@
+"""Cross-rank checks on real gloo process groups (2 and 4 CPU processes on 127.0.0.1).
+
+The scenarios below run inside the spawned ranks (``tests/_dist.py`` starts them once per world
+size and runs several scenarios in one process group); the tests in the parent assert on what a
+user would see: the finding's kind, ranks, op, the user's file:line, the cause, and that only one
+rank drew it. Every launch has a hard timeout and every checker a short exchange timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+_HERE = __file__
+_FAST = 10.0  # exchange timeout inside scenarios (seconds): nothing waits long
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: run in every rank as fn(rank, world_size); return plain data
+
+
+def _mode(**kwargs: Any) -> Any:
+    import rich.console
+
+    import rngcheck
+
+    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
+    kwargs.setdefault("timeout", _FAST)
+    kwargs.setdefault("on_finding", "record")
+    return rngcheck.RNGConsistencyMode(console=console, **kwargs)
+
+
+def _line() -> int:
+    """The line after the caller's: put it just above the op a finding should point at."""
+    return sys._getframe(1).f_lineno + 1
+
+
+def _summary(mode: Any, error: BaseException | None = None) -> dict[str, Any]:
+    report = mode.report
+    findings = [error.finding] if error is not None else report.findings
+    out: dict[str, Any] = {
+        "ok": report.ok,
+        "rank": report.rank,
+        "world_size": report.world_size,
+        "raised": type(error).__name__ if error is not None else None,
+        "stats": dict(report.meta.get("rank_exchange", {})),
+        "rendered": mode.console.file.getvalue(),
+        "findings": [],
+    }
+    for f in findings:
+        out["findings"].append(
+            {
+                "kind": f.kind.value,
+                "ranks": list(f.ranks),
+                "op": f.op,
+                "site": f.site,
+                "other_site": f.other_stack.describe() if f.other_stack is not None else None,
+                "message": f.message,
+                "cause": f.cause,
+                "differs": f.differs,
+                "sides": [
+                    {
+                        "label": s.label,
+                        "ranks": list(s.ranks),
+                        "op": s.event.op if s.event is not None else None,
+                        "site": s.event.site if s.event is not None else None,
+                        "note": s.note,
+                    }
+                    for s in f.sides
+                ],
+            }
+        )
+    return out
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    import torch.distributed as dist
+
+    x = torch.ones(4, 8)
+    loss = model(x).sum()
+    loss.backward()
+    for p in model.parameters():  # a hand-rolled DDP: the all_reduce is an alignment point
+        dist.all_reduce(p.grad)
+    opt.step()
+    opt.zero_grad()
+
+
+def clean_training(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode() as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            _train_step(model, opt)
+    return _summary(mode)
+
+
+def clean_training_op_sync(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode(sync="op") as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            _train_step(model, opt)
+    return _summary(mode)
+
+
+def rank_seed(rank: int, world: int) -> dict[str, Any]:
+    with _mode() as mode:
+        line = _line()
+        torch.manual_seed(1234 + rank)  # the bug: a rank-dependent seed before a replicated model
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, opt)
+    return {**_summary(mode), "line": line}
+
+
+def extra_draw(rank: int, world: int) -> dict[str, Any]:
+    import rngcheck
+
+    torch.manual_seed(0)
+    mode = _mode(on_finding="raise")
+    error = None
+    try:
+        with mode:
+            model = _model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            _train_step(model, opt)
+            if rank == 1:
+                line = _line()
+                torch.rand(1)  # one rank draws one extra number
+            _train_step(model, opt)
+    except rngcheck.RNGCheckError as e:
+        error = e
+    return {**_summary(mode, error), "line": locals().get("line")}
+
+
+def user_generator(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode() as mode:
+        gen = torch.Generator().manual_seed(7)
+        noise = torch.randn(4, generator=gen)
+        if rank == 1:
+            line = _line()
+            torch.randn(2, generator=gen)  # advances the user Generator on one rank only
+        noise = noise + torch.randn(4, generator=gen)
+        mode.check()
+    return {**_summary(mode), "line": locals().get("line")}
+
+
+def dataloader_one_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    with _mode() as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rank == 0:
+            line = _line()
+            next(iter(loader))  # peeking at the data on rank 0 only draws a base seed there
+        _train_step(model, opt)
+    return {**_summary(mode), "line": locals().get("line")}
+
+
+def differ_streams(rank: int, world: int) -> dict[str, Any]:
+    import rngcheck
+
+    torch.manual_seed(0)
+    results = {}
+    for name, seed in (("offset", 100 + rank), ("collide", 100)):
+        with _mode() as mode:
+            aug = torch.Generator().manual_seed(seed)  # the per-rank augmentation stream
+            with rngcheck.expect("differ"):
+                line = _line()
+                torch.rand(4, generator=aug)
+            torch.nn.functional.dropout(torch.ones(8), 0.5)  # the shared stream stays "same"
+        results[name] = {**_summary(mode), "line": line}
+    return results
+
+
+def dtensor_replicate(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    x = distribute_tensor(torch.ones(8, 8), mesh, [Replicate()])
+    s = distribute_tensor(torch.ones(8, 8), mesh, [Shard(0)])
+    out = {}
+    with _mode(sync="op") as mode:
+        for _ in range(2):
+            x = torch.nn.functional.dropout(x, 0.5)
+            s = torch.nn.functional.dropout(s, 0.5)
+    out["clean"] = _summary(mode)
+    error = None
+    mode = _mode(sync="op", on_finding="raise")
+    try:
+        with mode:
+            x = torch.nn.functional.dropout(x, 0.5)
+            if rank == 1:
+                seed_line = _line()
+                torch.manual_seed(99)  # this rank's generator drifts from the mesh's
+            line = _line()
+            x = torch.nn.functional.dropout(x, 0.5)
+    except Exception as e:  # noqa: BLE001 - the RNGCheckError, returned as data
+        error = e
+    out["drift"] = {**_summary(mode, error), "line": line, "seed_line": locals().get("seed_line")}
+    return out
+
+
+def op_sync_before_collective(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    mode = _mode(sync="op", on_finding="raise")
+    error = None
+    t = torch.ones(2)
+    try:
+        with mode:
+            torch.rand(2)
+            if rank == 1:
+                line = _line()
+                torch.rand(2)  # rank 1 draws while rank 0 is already in the collective
+            dist.all_reduce(t)
+    except rngcheck.RNGCheckError as e:
+        error = e
+    return {**_summary(mode, error), "line": locals().get("line")}
+
+
+def step_every(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode(every=4) as mode:
+        for _ in range(10):
+            torch.rand(3)
+    return _summary(mode)
+
+
+def subgroups(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 0,1 replicate a stream; ranks 2,3 must keep theirs apart."""
+    import rngcheck
+
+    torch.manual_seed(0)
+    results = {}
+    cases = {
+        "clean": {0: 10, 1: 10, 2: 21, 3: 22},
+        "collide": {0: 10, 1: 10, 2: 20, 3: 20},
+        "diverge": {0: 10, 1: 11, 2: 21, 3: 22},
+    }
+    for name, seeds in cases.items():
+        with _mode(on_finding="warn") as mode:
+            gen = torch.Generator().manual_seed(seeds[rank])
+            policy, group = ("same", [0, 1]) if rank < 2 else ("differ", [2, 3])
+            with rngcheck.expect(policy, group=group):
+                line = _line()
+                torch.rand(4, generator=gen)
+            torch.nn.functional.dropout(torch.ones(8), 0.5)  # world-wide "same"
+        results[name] = {**_summary(mode), "line": line}
+    return results
+
+
+def mesh_dims(rank: int, world: int) -> dict[str, Any]:
+    """A 2x2 (dp, tp) mesh: tensor-parallel dropout differs across tp, agrees across dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_local_rank("tp")
+    results = {}
+    for name, seed in (("clean", 50 + tp), ("collide", 50)):
+        with _mode() as mode:
+            gen = torch.Generator().manual_seed(seed)
+            with rngcheck.expect("differ", group=mesh["tp"]):
+                line = _line()
+                torch.rand(4, generator=gen)
+            with rngcheck.expect("same", group=mesh["dp"]):
+                torch.rand(4, generator=gen)
+        results[name] = {**_summary(mode), "line": line}
+    return results
+
+
+def rank_stops(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    torch.manual_seed(0)
+    mode = _mode(timeout=3.0, on_finding="warn")
+    try:
+        with mode:
+            model = _model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                if rank == 1 and step == 1:
+                    time.sleep(8)  # this rank stops reaching the exchange (a hang, then a crash)
+                    raise RuntimeError("rank 1 gave up")
+                x = model(torch.ones(2, 8)).sum()
+                x.backward()
+                opt.step()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return _summary(mode)
+
+
+rank_stops.breaks_group = True  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests (parent side)
+
+_TWO = [
+    "clean_training",
+    "clean_training_op_sync",
+    "rank_seed",
+    "extra_draw",
+    "user_generator",
+    "dataloader_one_rank",
+    "differ_streams",
+    "dtensor_replicate",
+    "op_sync_before_collective",
+    "step_every",
+]
+_FOUR = ["clean_training", "subgroups", "mesh_dims"]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    return run_scenarios(_HERE, _TWO, world_size=2, out_dir=tmp_path_factory.mktemp("two"))
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    return run_scenarios(_HERE, _FOUR, world_size=4, out_dir=tmp_path_factory.mktemp("four"))
+
+
+def _only(result: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in result, result.get("traceback", result)
+    assert len(result["findings"]) == 1, result["findings"]
+    return result["findings"][0]
+
+
+def _rendered_once(results: dict[int, dict[str, Any]], renderer: int) -> None:
+    for rank, r in results.items():
+        if rank == renderer:
+            assert "rngcheck:" in r["rendered"], r["rendered"]
+        else:
+            assert r["rendered"] == "", (rank, r["rendered"])
+
+
+def _site(line: int) -> str:
+    return f"test_ranks.py:{line}"
+
+
+def test_clean_training_reports_nothing(two: Any) -> None:
+    for name in ("clean_training", "clean_training_op_sync", "step_every"):
+        for rank, r in two[name].items():
+            assert "error" not in r, r.get("traceback")
+            assert r["ok"], (name, rank, r["findings"])
+            assert r["world_size"] == 2 and r["rank"] == rank
+            assert r["stats"]["mismatches"] == 0 and r["stats"]["slow_calls"] == 0
+            assert r["rendered"] == ""
+
+
+def test_step_sync_exchanges_at_steps_collectives_every_and_exit(two: Any) -> None:
+    op = two["clean_training_op_sync"][0]["stats"]
+    step = two["clean_training"][0]["stats"]
+    every = two["step_every"][0]["stats"]
+    # 10 random ops with every=4: exchanges after op 4 and op 8, then at exit.
+    assert every["exchanges"] == 3
+    # sync="step": 3 steps x (4 all_reduces + 1 optimizer step) + exit
+    assert step["exchanges"] == 3 * 5 + 1
+    # sync="op" also exchanges at each random op (weight init, one dropout per step)
+    assert op["exchanges"] > 2 * 5 + 1
+    assert step["fast_bytes"] == step["fast_calls"] * step["fast_bytes"] // step["fast_calls"]
+
+
+def test_rank_dependent_seed_before_building_a_replicated_model(two: Any) -> None:
+    results = two["rank_seed"]
+    for _rank, r in results.items():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence"
+        assert f["ranks"] == [0, 1]
+        assert f["differs"] == "state"
+        assert f["op"] == "aten.uniform_.default"  # nn.Linear's weight init
+        assert "seeded default cpu differently" in f["cause"]
+        line = r["line"]
+        assert f"torch.manual_seed(1234) at {_site(line)}" in f["cause"]
+        assert f"torch.manual_seed(1235) at {_site(line)}" in f["cause"]
+        assert [s["ranks"] for s in f["sides"]] == [[0], [1]]
+
+
+def test_one_rank_draws_an_extra_number(two: Any) -> None:
+    results = two["extra_draw"]
+    line = results[1]["line"]
+    for r in results.values():
+        assert r["raised"] == "RankDivergenceError"  # every rank gets the error
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "op"
+        assert f["op"] == "aten.rand.default"
+        assert f["site"] == _site(line)
+        assert "rank 1 ran an extra random op, aten.rand.default" in f["cause"]
+        assert f"at {_site(line)}" in f["cause"]
+        assert f["sides"][1]["ranks"] == [1] and f["sides"][1]["op"] == "aten.rand.default"
+        assert f["sides"][0]["ranks"] == [0] and f["sides"][0]["op"] == "aten.bernoulli_.float"
+    _rendered_once(results, 0)
+
+
+def test_user_generator_advanced_on_one_rank(two: Any) -> None:
+    results = two["user_generator"]
+    line = results[1]["line"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence"
+        assert f["op"] == "aten.randn.generator" and f["site"] == _site(line)
+        assert "Generator #1" in f["cause"] and "on those ranks only" in f["cause"]
+        assert f["sides"][1]["ranks"] == [1]
+
+
+def test_dataloader_iterated_on_one_rank(two: Any) -> None:
+    results = two["dataloader_one_rank"]
+    line = results[0]["line"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence"
+        assert f["op"] == "aten.random_.default"
+        assert f["site"] == _site(line)
+        assert "rank 0 ran an extra random op" in f["cause"]
+        assert "DataLoader iterator" in f["cause"]
+        assert f["sides"][1]["ranks"] == [0]
+
+
+def test_differ_streams_collide(two: Any) -> None:
+    for _rank, r in two["differ_streams"].items():
+        assert r["offset"]["ok"], r["offset"]["findings"]
+        f = _only(r["collide"])
+        assert f["kind"] == "rank_collision"
+        assert f["ranks"] == [0, 1]
+        assert f["op"] == "aten.rand.generator" and f["site"] == _site(r["collide"]["line"])
+        assert f["sides"][0]["label"] == "share a state" and f["sides"][0]["ranks"] == [0, 1]
+        assert r["collide"]["stats"]["mismatches"] == 1
+        assert r["offset"]["stats"]["mismatches"] == 0
+
+
+def test_dtensor_replicate_on_a_cpu_mesh(two: Any) -> None:
+    results = two["dtensor_replicate"]
+    for _rank, r in results.items():
+        assert "error" not in r, r.get("traceback")
+        assert r["clean"]["ok"], r["clean"]["findings"]
+        drift = r["drift"]
+        assert drift["raised"] == "RankDivergenceError"
+        f = _only(drift)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state"
+        assert f["op"] == "aten.bernoulli_.float"  # dropout on the DTensor, checked at the op
+        assert f["site"] == _site(drift["line"])
+        seed_line = results[1]["drift"]["seed_line"]
+        assert "rank 1 changed default cpu outside a random op" in f["cause"]
+        assert f"torch.manual_seed(99) at {_site(seed_line)}" in f["cause"]
+    _rendered_once({r: v["drift"] for r, v in results.items()}, 0)
+
+
+def test_op_sync_rank_at_a_collective_is_reported_not_hung(two: Any) -> None:
+    results = two["op_sync_before_collective"]
+    line = results[1]["line"]
+    for r in results.values():
+        assert r["raised"] == "RankDivergenceError"
+        f = _only(r)
+        assert f["site"] == _site(line)
+        reference, odd = f["sides"]
+        assert odd["ranks"] == [1] and odd["op"] == "aten.rand.default"
+        assert reference["ranks"] == [0] and reference["op"] is None
+        assert "reached collective c10d.allreduce_" in reference["note"]
+
+
+def test_exchange_costs_the_same_at_world_size_two_and_four(two: Any, four: Any) -> None:
+    s2 = two["clean_training"][0]["stats"]
+    s4 = four["clean_training"][0]["stats"]
+    assert four["clean_training"][0]["ok"]
+    assert s2["exchanges"] == s4["exchanges"]
+    assert s2["fast_calls"] == s4["fast_calls"] and s2["fast_bytes"] == s4["fast_bytes"]
+    assert s2["slow_calls"] == s4["slow_calls"] == 0
+    print(f"world 2: {s2}\nworld 4: {s4}")
+
+
+def test_subgroups_with_different_expectations(four: Any) -> None:
+    results = four["subgroups"]
+    for rank, r in results.items():
+        assert "error" not in r, r.get("traceback")
+        assert r["clean"]["ok"], (rank, r["clean"]["findings"])
+        f = _only(r["collide"])
+        assert f["kind"] == "rank_collision" and f["ranks"] == [2, 3]
+        assert f["site"] == _site(r["collide"]["line"])
+        f = _only(r["diverge"])
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
+        assert f["site"] == _site(r["diverge"]["line"])
+        assert "Generator #1" in f["cause"]
+    _rendered_once({k: v["collide"] for k, v in results.items()}, 2)
+
+
+def test_mesh_dimensions_as_groups(four: Any) -> None:
+    for rank, r in four["mesh_dims"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["clean"]["ok"], (rank, r["clean"]["findings"])
+        f = _only(r["collide"])
+        assert f["kind"] == "rank_collision"
+        assert f["ranks"] in ([0, 1], [2, 3])
+
+
+def test_a_rank_that_stops_reaching_the_exchange(tmp_path: Any) -> None:
+    from _dist import run_scenarios
+
+    run = run_scenarios(_HERE, ["rank_stops"], world_size=2, out_dir=tmp_path, timeout=120)
+    r0, r1 = run["rank_stops"][0], run["rank_stops"][1]
+    assert r1 == {"error": "rank 1 gave up"}
+    f = _only(r0)
+    assert f["kind"] == "rank_missing" and f["ranks"] == [1]
+    assert f["sides"][0]["label"] == "arrived" and f["sides"][0]["ranks"] == [0]
+    assert "Adam" not in f["message"] and "SGD.step()" in f["message"]
+    assert "rngcheck:" in r0["rendered"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_philox_generators_diverge() -> None:  # pragma: no cover - CUDA lane
+    pytest.skip("CUDA scenario runs in the device lane")
