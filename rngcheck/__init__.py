@@ -10,6 +10,7 @@ from .generators import GeneratorId
 from .mode import RNGCheckWarning, RNGConsistencyMode, active_mode, run_checked
 from .ops import register_random_op
 from .policy import expect
+from .ranks import exchange_stats
 from .recompute import CheckpointRegion, checkpoint_region
 from .render import format_finding, format_report, print_finding, print_report, render_finding
 from .report import (
@@ -51,6 +52,7 @@ __all__ = [
     "Stack",
     "active_mode",
     "checkpoint_region",
+    "exchange_stats",
     "expect",
     "format_finding",
     "format_report",

@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -211,6 +212,7 @@ class RankChecker:
         self._round = 0
         self._stopped = False
         self._busy = False
+        self._lock = threading.RLock()  # random ops in backward may arrive on autograd threads
         self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
         self._seen_generators: set[str] = set()
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
@@ -230,6 +232,14 @@ class RankChecker:
     def on_event(self, event: RandomOpEvent, mesh: Any = None) -> None:
         if self._stopped or self._busy:
             return
+        with self._lock:
+            self._add(event, mesh)
+        if self._cfg.sync == "op":
+            self._exchange(Point.RANDOM_OP, event.op)
+        elif len(self._rows) >= self._cfg.every:
+            self._exchange(Point.EVERY, "")
+
+    def _add(self, event: RandomOpEvent, mesh: Any) -> None:
         exp = current_expectation()
         spec = exp.group if exp is not None else None
         members = self._members(spec, mesh)
@@ -249,10 +259,6 @@ class RankChecker:
                 _POLICY_CODE[policy],
             )
         )
-        if self._cfg.sync == "op":
-            self._exchange(Point.RANDOM_OP, event.op)
-        elif len(self._rows) >= self._cfg.every:
-            self._exchange(Point.EVERY, "")
 
     @staticmethod
     def mesh_of(args: tuple, kwargs: dict) -> Any:
@@ -330,14 +336,18 @@ class RankChecker:
     def _exchange(self, point: Point, where: str) -> None:
         if self._stopped or self._busy or self._side is None:
             return
-        self._busy = True
         finding = None
-        try:
-            with torch._C._DisableTorchDispatch(), torch.no_grad():
-                finding = self._exchange_now(point, where)
-        finally:
-            self._busy = False
-            self._publish()
+        with self._lock:
+            if self._stopped:
+                return
+            self._busy = True
+            try:
+                # Our own tensors and collectives must not reach other dispatch modes (or ours).
+                with torch._C._DisableTorchDispatch(), torch.no_grad():
+                    finding = self._exchange_now(point, where)
+            finally:
+                self._busy = False
+                self._publish()
         if finding is not None:
             self._mode._emit(finding)
 
@@ -412,16 +422,13 @@ class RankChecker:
             ],
             dtype=torch.int64,
         )
-        buckets = None
-        if differ:
-            packed = [0] * _DIFFER_WORDS
-            for stream, srows in differ.items():
-                b = _fold([stream, *(v for r in srows for v in (r[0], r[2]))]) % (4 * _DIFFER_WORDS)
-                packed[b // 4] += 1 << (16 * (b % 4))
-            buckets = torch.tensor(packed, dtype=torch.int64)
-        else:
-            buckets = torch.zeros(_DIFFER_WORDS, dtype=torch.int64)
-        return vec, buckets
+        # "differ" streams: count ranks per (stream, states) bucket; two ranks of one group that
+        # share their states land in one bucket. Counts are 16 bits, four to an int64.
+        packed = [0] * _DIFFER_WORDS
+        for stream, srows in differ.items():
+            b = _fold([stream, *(v for r in srows for v in (r[0], r[2]))]) % (4 * _DIFFER_WORDS)
+            packed[b // 4] += 1 << (16 * (b % 4))
+        return vec, torch.tensor(packed, dtype=torch.int64)
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 

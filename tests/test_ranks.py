@@ -293,6 +293,47 @@ def mesh_dims(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def stage_dims(rank: int, world: int) -> dict[str, Any]:
+    """DTensor ops on a 2x2 (pp, dp) mesh whose pipeline stages are seeded apart on purpose."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import rngcheck
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Replicate()])
+    results = {}
+    for name in ("undeclared", "declared"):
+        torch.manual_seed(10 + mesh.get_local_rank("pp"))
+        with _mode() as mode:
+            if name == "declared":
+                with rngcheck.expect("same", group="dp"):  # only data-parallel peers agree
+                    torch.nn.functional.dropout(x, 0.5)
+            else:
+                line = _line()
+                torch.nn.functional.dropout(x, 0.5)
+        results[name] = {**_summary(mode), "line": line}
+    return results
+
+
+def exit_vs_barrier(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    mode = _mode(on_finding="raise")
+    error = None
+    try:
+        with mode:
+            torch.rand(2)
+            if rank == 0:
+                dist.barrier()  # rank 1 leaves the checked block instead
+    except rngcheck.RNGCheckError as e:
+        error = e
+    return _summary(mode, error)
+
+
 def rank_stops(rank: int, world: int) -> dict[str, Any]:
     import time
 
@@ -331,8 +372,9 @@ _TWO = [
     "dtensor_replicate",
     "op_sync_before_collective",
     "step_every",
+    "exit_vs_barrier",
 ]
-_FOUR = ["clean_training", "subgroups", "mesh_dims"]
+_FOUR = ["clean_training", "subgroups", "mesh_dims", "stage_dims"]
 
 
 @pytest.fixture(scope="module")
@@ -519,6 +561,26 @@ def test_mesh_dimensions_as_groups(four: Any) -> None:
         f = _only(r["collide"])
         assert f["kind"] == "rank_collision"
         assert f["ranks"] in ([0, 1], [2, 3])
+
+
+def test_dtensor_pipeline_stages_declared_to_differ(four: Any) -> None:
+    for rank, r in four["stage_dims"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["declared"]["ok"], (rank, r["declared"]["findings"])
+        f = _only(r["undeclared"])
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1, 2, 3]
+        assert f["op"] == "aten.bernoulli_.float" and f["site"] == _site(r["undeclared"]["line"])
+        assert [s["ranks"] for s in f["sides"]] == [[0, 1], [2, 3]]
+
+
+def test_ranks_that_reach_different_exchange_points(two: Any) -> None:
+    for r in two["exit_vs_barrier"].values():
+        assert r["raised"] == "RankDivergenceError"
+        f = _only(r)
+        assert f["differs"] == "exchange point"
+        notes = {tuple(s["ranks"]): s["note"] for s in f["sides"]}
+        assert "collective c10d.barrier" in notes[(0,)]
+        assert "the end of the checked block" in notes[(1,)]
 
 
 def test_a_rank_that_stops_reaching_the_exchange(tmp_path: Any) -> None:

@@ -367,3 +367,81 @@ def test_a_training_loop_with_the_bug_reports_it_once():
         at="loop gen",
         cause=["generator="],
     )
+
+
+@REENTRANT
+def test_control_flow_that_changed_before_backward(reentrant):
+    """(Non-reentrant runs without early stop here: with it, the recompute stops before the
+    extra op, which then cannot matter.)"""
+    lin = nn.Linear(16, 16)
+    flags = {"noise": False}
+
+    def block(x):
+        h = F.dropout(lin(x), 0.1)
+        if flags["noise"]:
+            h = h + torch.randn(h.shape)  # <- extra op
+        return h
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant, early_stop=False)
+        flags["noise"] = True  # a global flag flips before backward
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op="aten.randn.default",
+        differs="op",
+        at="extra op",
+        cause=["control flow differs between forward and recompute"],
+        sides=("recompute",),
+    )
+    assert finding.sides[0].event is None and finding.sides[0].note == "ran no random op here"
+
+
+def test_recompute_that_runs_fewer_random_ops():
+    lin = nn.Linear(16, 16)
+    flags = {"noise": True}
+
+    def block(x):
+        h = F.dropout(lin(x), 0.1)
+        if flags["noise"]:
+            h = h * (torch.rand(h.shape) > 0.5)  # <- skipped op
+        return h
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=True)
+        flags["noise"] = False
+        y.sum().backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op="aten.rand.default",
+        differs="op",
+        at="skipped op",
+        cause=["control flow differs"],
+        sides=("forward",),
+    )
+    assert "the recompute ended after 1 random op(s); the forward ran 2" in finding.message
+
+
+@REENTRANT
+def test_generator_chosen_at_run_time(reentrant):
+    lin = nn.Linear(16, 16)
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    current = {"i": 0}
+
+    def block(x):
+        return lin(x) * (torch.rand(x.shape, generator=gens[current["i"]]) > 0.5)  # <- picked
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant)
+        current["i"] = 1  # e.g. a tracker's current stream changed
+        y.sum().backward()
+
+    assert_recompute_finding(
+        run(step),
+        op="aten.rand.generator",
+        differs="generator",
+        at="picked",
+        cause=["picks its generator at run time"],
+    )

@@ -290,3 +290,17 @@ def test_results_are_bitwise_identical_with_and_without_the_mode(reentrant):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+@REENTRANT
+def test_a_generator_made_and_seeded_inside_the_region(reentrant):
+    """A new Generator in each pass, seeded the same: a different object, the same numbers."""
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        gen = torch.Generator().manual_seed(42)
+        return lin(x) * (torch.rand(x.shape, generator=gen) > 0.5)
+
+    _assert_quiet(
+        run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
+    )
