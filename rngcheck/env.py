@@ -8,10 +8,12 @@ enters an :class:`~rngcheck.RNGConsistencyMode` and arranges for the rest:
 
 - binding to torch.distributed right after the script calls ``init_process_group`` (and before it
   calls ``destroy_process_group``, which is where the checking ends and the final exchange runs);
-- an exchange every ``RNGCHECK_EVERY`` optimizer steps with ``sync="step"``;
+- exchanges at optimizer steps with ``sync="step"`` (the rank checker's own global step hook; the
+  activation binds late at the first step when the group came from an unpatched copy of
+  ``init_process_group``), and a report re-saved after each step that brought a new finding;
 - the report and trace written at exit, also after an uncaught exception and on SIGTERM (how
-  torchrun stops the other ranks when one fails), and the report re-saved after each step that
-  brought a new finding, so even a rank killed hard leaves its findings on disk;
+  torchrun stops the other ranks when one fails), so a rank killed by the finding leaves its
+  report on disk;
 - one short line on stderr at exit (rank 0 only) and, with ``RNGCHECK_ON_FINDING=record``, the
   findings rendered there once (by the lowest rank involved).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import inspect
 import logging
 import os
 import signal
@@ -320,7 +323,17 @@ class Activation:
         from .mode import RNGConsistencyMode
 
         self.settings = settings
-        self.mode = RNGConsistencyMode(**settings.mode_kwargs)
+        kwargs = dict(settings.mode_kwargs)
+        if "every_steps" in inspect.signature(RNGConsistencyMode).parameters:
+            kwargs["every_steps"] = settings.every_steps
+        elif settings.every_steps > 1:
+            # The rank checker exchanges at every optimizer step itself; say so rather than
+            # pretend the stride is honoured.
+            sys.stderr.write(
+                f"rngcheck: RNGCHECK_EVERY={settings.every_steps} is not supported by this "
+                "version's rank checker: exchanging at every optimizer step\n"
+            )
+        self.mode = RNGConsistencyMode(**kwargs)
         report = self.mode.report
         report.rank, report.world_size = settings.rank, settings.world_size
         report.meta.update(
@@ -409,6 +422,11 @@ class Activation:
             return
         report = self.mode.report
         report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
+        report.meta["process_group"] = {
+            "backend": str(dist.get_backend()),
+            "world_size": report.world_size,
+            "bound_after_step": self.steps,
+        }
         self.mode.bind_distributed()
         self.bound = True
 
@@ -417,13 +435,8 @@ class Activation:
             return
         self.steps += 1
         if not self.bound:  # a group made through a copy of init_process_group we did not patch
-            self.bind()
-        try:
-            every = self.settings.every_steps
-            if self.settings.mode_kwargs["sync"] == "step" and self.steps % every == 0:
-                self.mode.check()
-        finally:
-            self._save_if_new_findings()
+            self.bind()  # (the rank checker then exchanges at this and every later step itself)
+        self._save_if_new_findings()
 
     def _save_if_new_findings(self) -> None:
         path = self.mode.config.report_path

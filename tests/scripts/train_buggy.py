@@ -28,16 +28,17 @@ class Block(torch.nn.Module):
 
 
 def main() -> None:
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = "RANK" in os.environ  # started by torchrun
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(1234 + rank)  # BUG: rank-dependent seed before the replicated model
     block = Block()
-    opt = torch.optim.SGD(block.parameters(), lr=0.1)
+    model = torch.nn.parallel.DistributedDataParallel(block) if distributed else block
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(STEPS):
         x = torch.nn.functional.dropout(torch.randn(8, 16), p=0.1).requires_grad_()
-        loss = checkpoint(block, x, use_reentrant=False).sum()
+        loss = checkpoint(model, x, use_reentrant=False).sum()
         loss.backward()
         opt.step()
         opt.zero_grad()
