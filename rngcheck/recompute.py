@@ -85,6 +85,10 @@ class RecomputeTracker:
         # the bug, or a nested region replaying its inner one, reports it once, not every step.
         self._reported: set[tuple[str, str, str, str]] = set()
         self.recorded = 0  # random ops recorded by the main mode (the SAC observer watches it)
+        # False once the mode has exited: a region whose forward ran inside the mode may
+        # recompute after it (backward outside the `with`); with no ops recorded any more, that
+        # recompute must not be compared, or it would look like it ran no random op at all.
+        self.live = False
 
     # -- state queried on the hot path of random ops -------------------------------------------
 
@@ -101,6 +105,7 @@ class RecomputeTracker:
     # -- installing the hooks into torch.utils.checkpoint ---------------------------------------
 
     def install(self) -> None:
+        self.live = True
         original = tuc._checkpoint_without_reentrant_generator
 
         def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
@@ -116,6 +121,7 @@ class RecomputeTracker:
             self._patch(composable, "_checkpoint_without_reentrant_generator", nonreentrant)
 
     def uninstall(self) -> None:
+        self.live = False
         saved, self._saved = self._saved, []
         for owner, name, original in reversed(saved):
             replacement = getattr(owner, name, None)
@@ -190,6 +196,9 @@ class RecomputeTracker:
 
     @contextlib.contextmanager
     def phase(self, region: Region, phase: Phase) -> Iterator[None]:
+        if not self.live:
+            yield
+            return
         active = self._local.active
         if phase is Phase.RECOMPUTE:
             region.recompute = []

@@ -160,3 +160,20 @@ def test_composable_checkpoint_imported_during_the_mode_gets_the_original_back()
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok")
+
+
+@REENTRANT
+def test_backward_after_the_mode_exited_is_not_compared(reentrant):
+    """The forward ran inside the mode, the recompute after it: nothing is recorded any more,
+    so comparing would report a recompute that 'ran no random op'."""
+    x = torch.randn(3, 4, requires_grad=True)
+    with rngcheck.RNGConsistencyMode(console=_quiet_console()) as mode:
+        y = checkpoint(lambda t: F.dropout(t, 0.5), x, use_reentrant=reentrant)
+        region = rngcheck.checkpoint_region("custom")
+        with region.forward():
+            torch.rand(3)
+    y.sum().backward()  # raises if the stale region were compared
+    with region.recompute():
+        torch.rand(3)
+    assert mode.report.ok
+    _assert_torch_untouched()
