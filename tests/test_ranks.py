@@ -95,24 +95,22 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def clean_training(rank: int, world: int) -> dict[str, Any]:
+def _clean(sync: str, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    with _mode() as mode:
+    with _mode(sync=sync) as mode:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(3):
+        for _ in range(steps):
             _train_step(model, opt)
     return _summary(mode)
+
+
+def clean_training(rank: int, world: int) -> dict[str, Any]:
+    return _clean("step", 3)
 
 
 def clean_training_op_sync(rank: int, world: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    with _mode(sync="op") as mode:
-        model = _model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(2):
-            _train_step(model, opt)
-    return _summary(mode)
+    return _clean("op", 2)
 
 
 def rank_seed(rank: int, world: int) -> dict[str, Any]:

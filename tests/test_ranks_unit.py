@@ -1,0 +1,94 @@
+"""The rank checker's pure parts, in one process: group resolution, localising the first divergent
+op from gathered windows, and the findings built from the gathered detail. The same functions run
+on every rank after a mismatch, so plain data in, plain data out is all they need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rngcheck
+from rngcheck.events import Phase, RandomOpEvent
+from rngcheck.generators import GeneratorId
+from rngcheck.ranks import Point, _build_finding, _localise, resolve_group
+from rngcheck.report import FindingKind
+from rngcheck.stacks import Frame, Stack
+
+
+def test_resolve_group_forms() -> None:
+    assert resolve_group(None, 1, 4) == (0, 1, 2, 3)
+    assert resolve_group([3, 2], 2, 4) == (2, 3)
+    assert resolve_group(range(2), 1, 4) == (0, 1)
+    assert resolve_group([2, 3], 0, 4) is None  # not a member: not checked for that stream
+    with pytest.raises(ValueError, match="names mesh dimensions"):
+        resolve_group("tp", 0, 4)
+    with pytest.raises(TypeError, match="ProcessGroup, a list of ranks, a DeviceMesh"):
+        resolve_group(3.5, 0, 4)
+
+
+def _row(op: str, before: int, after: int, stream: int = 7, policy: int = 1) -> tuple:
+    return (hash(op) & 0xFFFF, stream, before, after, policy)
+
+
+def test_localise_extra_op_then_state_then_collision() -> None:
+    a, b, c = _row("bernoulli", 1, 2), _row("rand", 2, 3), _row("bernoulli", 2, 3)
+    points = {0: Point.EXIT, 1: Point.EXIT}
+    flow = _localise({0: [a, c], 1: [a, b, c]}, points)
+    assert (flow.kind, flow.index) == ("flow", 1)
+    state = _localise({0: [a, c], 1: [a, _row("bernoulli", 9, 3)]}, points)
+    assert (state.kind, state.index, state.stream) == ("state", 1, 7)
+    same = _row("rand", 5, 6, stream=8, policy=2)
+    collision = _localise({0: [a, same], 1: [a, same]}, points)
+    assert (collision.kind, collision.index) == ("collision", 0)
+    apart = _row("rand", 4, 6, stream=8, policy=2)
+    assert _localise({0: [a, same], 1: [a, apart]}, points) is None  # a hashed-slot false alarm
+    moved = _localise({0: [a], 1: [a]}, {0: Point.COLLECTIVE, 1: Point.EXIT})
+    assert moved.kind == "points"
+
+
+def _event(seq: int, op: str, site: tuple[str, int], *, torch_frame: str = "") -> dict:
+    frames = [Frame(filename=f"/app/{site[0]}", lineno=site[1], name="train")]
+    if torch_frame:
+        frames.append(Frame(filename=torch_frame, lineno=690, name="__init__", user=False))
+    return RandomOpEvent(
+        seq=seq,
+        op=op,
+        generator=GeneratorId(kind="default", device="cpu"),
+        device="cpu",
+        args=(),
+        before=11,
+        after=12,
+        phase=Phase.FORWARD,
+        stack=Stack(frames=tuple(frames)),
+    ).to_dict()
+
+
+def test_flow_finding_names_the_extra_op_and_the_dataloader() -> None:
+    loader = torch.utils.data.__file__.replace("__init__.py", "dataloader.py")
+    dropout, draw = _row("bernoulli", 1, 2), _row("random_", 1, 2)
+    windows = {0: [draw, dropout], 1: [dropout], 2: [dropout]}
+    details = {
+        0: {
+            "event": _event(3, "aten.random_.default", ("train.py", 40), torch_frame=loader),
+            "point": "collective c10d.allreduce_.default at train.py:50",
+        },
+        1: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
+        2: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
+    }
+    spot = _localise(windows, dict.fromkeys(windows, Point.COLLECTIVE))
+    f = _build_finding(spot, windows, details, (0, 1, 2))
+    assert f.kind is FindingKind.RANK_DIVERGENCE and f.differs == "op"
+    assert f.site == "train.py:40" and f.other_stack.describe() == "model.py:9"
+    assert [s.label for s in f.sides] == ["majority", "outliers"]
+    assert [s.ranks for s in f.sides] == [(1, 2), (0,)]
+    assert "rank 0 ran an extra random op, aten.random_.default" in f.cause
+    assert "DataLoader iterator" in f.cause
+    text = rngcheck.format_finding(f)
+    assert "majority (ranks 1:3)" in text and "outliers (ranks 0)" in text
+
+
+def test_single_process_has_no_rank_checker() -> None:
+    with rngcheck.RNGConsistencyMode() as mode:
+        torch.rand(2)
+    assert mode.report.ok and rngcheck.exchange_stats(mode) == {}
+    assert rngcheck.exchange_stats() == {}  # no active mode
