@@ -1,0 +1,281 @@
+"""What every benchmark shares: the model, the training step, the modes compared, interleaved timing
+and the markdown table.
+
+The model is a stack of pre-norm MLP blocks with dropout, each block under non-reentrant
+``torch.utils.checkpoint``: per step, every block runs forward, recompute and backward, and each
+forward and recompute draws one dropout mask, so the checker sees its whole hot path (random ops in
+checkpoint regions, the recompute comparison, the seeding hooks checkpoint's RNG restore triggers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "MODES",
+    "Block",
+    "Budget",
+    "Mode",
+    "Model",
+    "Timings",
+    "budget_table",
+    "cli",
+    "interleave",
+    "machine",
+    "make_step",
+    "markdown_table",
+]
+
+
+class Block(nn.Module):
+    """x + dropout(fc2(gelu(fc1(norm(x))))): one LayerNorm, two Linears, one dropout mask."""
+
+    def __init__(self, d: int, p: float = 0.1) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.dropout(self.fc2(F.gelu(self.fc1(self.norm(x)))), self.p, self.training)
+
+
+class Model(nn.Module):
+    """``depth`` checkpointed blocks; ``debug`` turns on ``checkpoint(debug=True)``."""
+
+    def __init__(self, d: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.debug = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False, debug=self.debug)
+        return x
+
+
+def make_step(
+    d: int, depth: int = 4, batch: int = 256, seed: int = 0, ddp: bool = False
+) -> tuple[Model, Callable[[], None]]:
+    """A model and one training step on it: forward, backward, optimizer step.
+
+    ``ddp``: wrap the model in DistributedDataParallel (gradients all-reduced in backward); every
+    rank builds the same model and batch from the same seed, so replicated dropout agrees.
+    """
+    torch.manual_seed(seed)
+    model = Model(d, depth)
+    net: nn.Module = model
+    if ddp:
+        net = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, d)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+        opt.step()
+
+    return model, step
+
+
+class _NoOpMode(TorchDispatchMode):
+    """The floor: a Python dispatch mode that only calls the op."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _debug_mode_hashes() -> Iterator[None]:
+    from torch.utils._debug_mode import DebugMode
+
+    # DebugMode keeps every call it logs; a fresh one per timed block keeps memory bounded.
+    with DebugMode(), DebugMode.log_tensor_hashes():
+        yield
+
+
+@contextlib.contextmanager
+def _checkpoint_debug(model: Model) -> Iterator[None]:
+    model.debug = True
+    try:
+        yield
+    finally:
+        model.debug = False
+
+
+def _rngcheck(**kwargs: Any) -> Callable[[Model], Any]:
+    def enter(_model: Model) -> Any:
+        import rngcheck
+
+        return rngcheck.RNGConsistencyMode(**kwargs)
+
+    return enter
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """One configuration to time: a name and a factory for the context it runs under."""
+
+    name: str
+    enter: Callable[[Model], contextlib.AbstractContextManager[Any]]
+    label: str = ""
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("plain", lambda _m: contextlib.nullcontext(), "plain training"),
+        Mode("noop", lambda _m: _NoOpMode(), "no-op TorchDispatchMode (floor)"),
+        Mode("rngcheck", _rngcheck(), "rngcheck, defaults"),
+        Mode("rngcheck-op", _rngcheck(sync="op"), 'rngcheck, sync="op"'),
+        Mode("debugmode", lambda _m: _debug_mode_hashes(), "DebugMode + log_tensor_hashes()"),
+        Mode("ckpt-debug", _checkpoint_debug, "checkpoint(debug=True)"),
+    )
+}
+
+
+@dataclass(slots=True)
+class Timings:
+    """Per-step times of each mode, and per-round medians for paired ratios."""
+
+    steps: dict[str, list[float]] = field(default_factory=dict)
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.steps[name])
+
+    def ratio(self, name: str, base: str) -> float:
+        """Median over rounds of (this mode's round median / base's round median): paired, so a
+        burst of load from other processes moves both sides of most ratios together."""
+        pairs = zip(self.rounds[name], self.rounds[base], strict=True)
+        return statistics.median(a / b for a, b in pairs)
+
+
+def interleave(
+    modes: list[Mode],
+    model: Model,
+    step: Callable[[], None],
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int = 1,
+    barrier: Callable[[], None] | None = None,
+) -> Timings:
+    """Round-robin over ``modes``: each round enters every mode once (rotating the order), runs
+    ``warmup`` untimed steps and times ``steps`` steps. Entering and leaving a mode is not timed.
+
+    ``barrier``, when given, runs before every timed block (ranks start each block together).
+    """
+    out = Timings()
+    for m in modes:
+        out.steps[m.name] = []
+        out.rounds[m.name] = []
+    for r in range(rounds):
+        shift = r % len(modes)
+        for m in modes[shift:] + modes[:shift]:
+            with m.enter(model):
+                for _ in range(warmup):
+                    step()
+                if barrier is not None:
+                    barrier()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    step()
+                    times.append(time.perf_counter() - t0)
+            out.steps[m.name].extend(times)
+            out.rounds[m.name].append(statistics.median(times))
+    return out
+
+
+def machine() -> str:
+    """One line about where the numbers came from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (
+        f"{cpu}, {os.cpu_count()} cores (load {load:.1f}), torch {torch.__version__}, "
+        f"Python {platform.python_version()}, torch.set_num_threads({torch.get_num_threads()})"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """One line of the issue's budget: what was measured, the limit, and whether it holds."""
+
+    what: str
+    measured: float
+    limit: float
+
+    @property
+    def met(self) -> bool:
+        return self.measured <= self.limit
+
+
+def budget_table(items: list[Budget]) -> str:
+    rows = [
+        [b.what, f"{b.measured:.2f}", f"<= {b.limit:.2f}", "met" if b.met else "NOT met"]
+        for b in items
+    ]
+    return markdown_table(["budget", "measured", "limit", ""], rows)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+Section = Callable[[bool], tuple[str, Any]]
+
+
+def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None = None) -> int:
+    """Command line of a benchmark script: ``--quick``, ``--json PATH``, and ``--skip`` when it
+    has several sections. Prints the machine line and each section's markdown."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny run (seconds)")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    if isinstance(sections, dict):
+        parser.add_argument(
+            "--skip", default="", help=f"sections to leave out: {','.join(sections)}"
+        )
+    args = parser.parse_args(argv)
+    if not isinstance(sections, dict):
+        sections = {"results": sections}
+    skip = set(filter(None, getattr(args, "skip", "").split(",")))
+    torch.set_num_threads(1)
+    raw: dict[str, Any] = {"machine": machine()}
+    print(f"Machine: {raw['machine']}", flush=True)
+    for name, section in sections.items():
+        if name not in skip:
+            text, raw[name] = section(args.quick)
+            print(f"\n{text}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=2)
+    return 0

@@ -1,0 +1,263 @@
+"""Several ranks over gloo: step time with DistributedDataParallel, and what the exchange sends.
+
+    .venv/bin/python -m benchmarks.distributed            # 2-rank timing, exchange at 2 and 4 ranks
+    .venv/bin/python -m benchmarks.distributed --quick
+
+Ranks are local processes (one thread each) rendezvousing through a file, so the run needs no
+free port. Each rank times the modes interleaved, with a barrier before every timed block; the
+table reports rank 0 (DDP's all-reduce in every backward keeps the ranks in lock step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .common import (
+    MODES,
+    Budget,
+    Timings,
+    budget_table,
+    cli,
+    interleave,
+    make_step,
+    markdown_table,
+)
+
+__all__ = ["budgets", "exchange_table", "main", "run", "section", "timing_table"]
+
+RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op")
+_RNGCHECK_MODES = ("rngcheck", "rngcheck-op")
+
+
+def _stats(mode: Any) -> dict[str, int]:
+    """The counters of the mode's rank exchange so far (``rngcheck.ranks.exchange_stats``)."""
+    from rngcheck.ranks import exchange_stats
+
+    return exchange_stats(mode)
+
+
+def _rngcheck_available() -> str:
+    """'' when the cross-rank checker starts here, else why not (every rank gets the same)."""
+    import rngcheck
+
+    try:
+        with rngcheck.RNGConsistencyMode():
+            pass
+    except NotImplementedError as e:
+        return f"rngcheck's cross-rank checker is not available: {e}"
+    return ""
+
+
+def _exchange(steps: int, sync: str) -> dict[str, Any]:
+    """The exchange's collectives and bytes per step on a model with no divergence."""
+    import rngcheck
+
+    _model, step = make_step(8, depth=4, batch=8, ddp=True)
+    with rngcheck.RNGConsistencyMode(sync=sync) as mode:
+        step()  # the first step: side-group set-up is not per-step cost
+        start = _stats(mode)
+        for _ in range(steps):
+            step()
+        end = _stats(mode)
+        ok = mode.report.ok
+    if not end:
+        return {"error": "the mode published no exchange counters"}
+    delta = {k: (end[k] - start.get(k, 0)) / steps for k in end}
+    calls = delta["fast_calls"] + delta["slow_calls"]
+    nbytes = delta["fast_bytes"] + delta["slow_bytes"]
+    return {
+        "exchanges_per_step": delta["exchanges"],
+        "calls_per_step": calls,
+        "bytes_per_step": nbytes,
+        "bytes_per_call": nbytes / calls if calls else 0.0,
+        "slow_calls_per_step": delta["slow_calls"],
+        "ok": ok,
+    }
+
+
+def _worker(rank: int, world: int, init_file: str, config: dict[str, Any], out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=300),
+    )
+    try:
+        torch.set_num_threads(1)
+        result: dict[str, Any] = {"note": _rngcheck_available()}
+        if config["timing"]:
+            names = [m for m in config["modes"] if not (result["note"] and m in _RNGCHECK_MODES)]
+            result["timing"] = {}
+            for d in config["sizes"]:
+                model, step = make_step(d, ddp=True)
+                t = interleave(
+                    [MODES[m] for m in names],
+                    model,
+                    step,
+                    rounds=config["rounds"],
+                    steps=config["steps"],
+                    barrier=dist.barrier,
+                )
+                result["timing"][d] = {"steps": t.steps, "rounds": t.rounds}
+        if not result["note"]:
+            result["exchange"] = {s: _exchange(config["exchange_steps"], s) for s in ("step", "op")}
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, config: dict[str, Any]) -> dict[str, Any]:
+    """Start ``world`` ranks with ``config``; rank 0's result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.start_processes(
+            _worker, args=(world, init_file, config, tmp), nprocs=world, start_method="spawn"
+        )
+        with open(os.path.join(tmp, "rank0.json")) as f:
+            return json.load(f)
+
+
+def run(
+    sizes: tuple[int, ...], rounds: int, steps: int, exchange_steps: int, worlds: tuple[int, ...]
+) -> dict[str, Any]:
+    """2-rank timing on ``sizes``; exchange counters at each world size in ``worlds``."""
+    timing = run_world(
+        2,
+        {
+            "timing": True,
+            "modes": RANK_MODES,
+            "sizes": sizes,
+            "rounds": rounds,
+            "steps": steps,
+            "exchange_steps": exchange_steps,
+        },
+    )
+    exchange = {2: timing.get("exchange")}
+    for w in worlds:
+        if w != 2 and not timing["note"]:
+            exchange[w] = run_world(w, {"timing": False, "exchange_steps": exchange_steps}).get(
+                "exchange"
+            )
+    return {"note": timing["note"], "timing": timing["timing"], "exchange": exchange}
+
+
+def _timings(result: dict[str, Any]) -> dict[int, Timings]:
+    return {int(d): Timings(v["steps"], v["rounds"]) for d, v in result["timing"].items()}
+
+
+def budgets(result: dict[str, Any]) -> list[Budget]:
+    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x; and the
+    no-divergence exchange sends as many bytes per collective at every world size."""
+    out = []
+    for d, t in _timings(result).items():
+        for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
+            if name in t.steps:
+                label = MODES[name].label
+                out.append(
+                    Budget(f"2 ranks, d={d}: {label} / no-op mode", t.ratio(name, "noop"), limit)
+                )
+    per_call = {
+        (w, sync): e["bytes_per_call"]
+        for w, per_sync in result.get("exchange", {}).items()
+        for sync, e in (per_sync or {}).items()
+        if "bytes_per_call" in e
+    }
+    worlds = sorted({int(w) for w, _ in per_call})
+    if len(worlds) > 1:
+        for sync in ("step", "op"):
+            sizes = [v for (w, s), v in per_call.items() if s == sync]
+            if sizes:
+                out.append(
+                    Budget(
+                        f'sync="{sync}": bytes per collective, largest / smallest over '
+                        f"{', '.join(map(str, worlds))} ranks",
+                        max(sizes) / min(sizes),
+                        1.0,
+                    )
+                )
+    return out
+
+
+def timing_table(result: dict[str, Any]) -> str:
+    timing = _timings(result)
+    sizes = sorted(timing)
+    header = ["mode (2 ranks, DDP over gloo)"]
+    for d in sizes:
+        header += [f"d={d} step (ms)", f"d={d} vs noop"]
+    rows = []
+    for name in timing[sizes[0]].steps:
+        row = [MODES[name].label]
+        for d in sizes:
+            row += [f"{timing[d].median(name) * 1e3:.2f}", f"{timing[d].ratio(name, 'noop'):.2f}x"]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def exchange_table(result: dict[str, Any]) -> str:
+    rows = []
+    for world, per_sync in sorted(result["exchange"].items(), key=lambda kv: int(kv[0])):
+        for sync, e in (per_sync or {}).items():
+            if "error" in e:
+                rows.append([str(world), sync, e["error"], "", "", "", ""])
+                continue
+            rows.append(
+                [
+                    str(world),
+                    f'sync="{sync}"',
+                    f"{e['exchanges_per_step']:.2f}",
+                    f"{e['calls_per_step']:.2f}",
+                    f"{e['bytes_per_step']:.0f}",
+                    f"{e['bytes_per_call']:.0f}",
+                    "yes" if e["ok"] else "NO",
+                ]
+            )
+    return markdown_table(
+        [
+            "ranks",
+            "sync",
+            "exchanges per step",
+            "collectives per step",
+            "bytes sent per step",
+            "bytes per collective",
+            "no finding",
+        ],
+        rows,
+    )
+
+
+def section(quick: bool) -> tuple[str, dict[str, Any]]:
+    """The several-ranks section of the report: markdown and raw numbers."""
+    rounds, steps = (2, 2) if quick else (10, 8)
+    result = run(
+        (8,) if quick else (32, 128),
+        rounds=rounds,
+        steps=steps,
+        exchange_steps=2 if quick else 5,
+        worlds=(2,) if quick else (2, 4),
+    )
+    parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
+    if result["note"]:
+        parts.append(f"Note: {result['note']}")
+    parts += [timing_table(result), budget_table(budgets(result))]
+    if not result["note"]:
+        parts += ["### The exchange per training step, no divergence", exchange_table(result)]
+    return "\n\n".join(parts), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(__doc__, section, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

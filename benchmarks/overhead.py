@@ -1,0 +1,119 @@
+"""Single-process step time: every mode interleaved in one run, medians and paired ratios.
+
+.venv/bin/python -m benchmarks.overhead            # d=32 and d=128, a few minutes
+.venv/bin/python -m benchmarks.overhead --quick    # seconds: the smoke test's configuration
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .common import (
+    MODES,
+    Budget,
+    Timings,
+    budget_table,
+    cli,
+    interleave,
+    make_step,
+    markdown_table,
+)
+
+__all__ = ["budgets", "main", "run", "section", "table", "to_json"]
+
+SINGLE_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "debugmode", "ckpt-debug")
+
+
+def run(
+    sizes: tuple[int, ...], rounds: int, steps: int, modes: tuple[str, ...] = SINGLE_MODES
+) -> dict[int, Timings]:
+    """Time ``modes`` on the checkpointed MLP of each width in ``sizes``, one thread."""
+    torch.set_num_threads(1)
+    out = {}
+    for d in sizes:
+        model, step = make_step(d)
+        out[d] = interleave([MODES[m] for m in modes], model, step, rounds=rounds, steps=steps)
+    return out
+
+
+def table(results: dict[int, Timings], base: str = "noop") -> str:
+    """Rows: modes; per width: median step time, ratio to ``base`` and to plain training."""
+    sizes = list(results)
+    names = list(next(iter(results.values())).steps)
+    header = ["mode"]
+    for d in sizes:
+        header += [f"d={d} step (ms)", f"d={d} vs {base}", f"d={d} vs plain"]
+    rows = []
+    for name in names:
+        row = [MODES[name].label or name]
+        for d in sizes:
+            t = results[d]
+            row += [
+                f"{t.median(name) * 1e3:.2f}",
+                f"{t.ratio(name, base):.2f}x",
+                f"{t.ratio(name, 'plain'):.2f}x" if "plain" in t.steps else "",
+            ]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def budgets(results: dict[int, Timings]) -> list[Budget]:
+    """The single-process budgets: defaults within 1.10x of the no-op mode, and at most half of
+    DebugMode's extra time over plain training."""
+    out = []
+    for d, t in results.items():
+        if {"rngcheck", "noop"} <= t.steps.keys():
+            out.append(
+                Budget(f"d={d}: rngcheck defaults / no-op mode", t.ratio("rngcheck", "noop"), 1.10)
+            )
+        if {"rngcheck", "debugmode", "plain"} <= t.steps.keys():
+            ours = t.ratio("rngcheck", "plain") - 1
+            theirs = t.ratio("debugmode", "plain") - 1
+            out.append(
+                Budget(
+                    f"d={d}: rngcheck extra time / DebugMode-with-hashes extra time",
+                    ours / theirs,
+                    0.5,
+                )
+            )
+    return out
+
+
+def to_json(results: dict[int, Timings]) -> dict[str, Any]:
+    return {
+        str(d): {
+            name: {
+                "median_s": t.median(name),
+                "vs_noop": t.ratio(name, "noop") if "noop" in t.steps else None,
+                "vs_plain": t.ratio(name, "plain") if "plain" in t.steps else None,
+                "samples": len(t.steps[name]),
+            }
+            for name in t.steps
+        }
+        for d, t in results.items()
+    }
+
+
+def section(quick: bool) -> tuple[str, dict[str, Any]]:
+    """The one-process section of the report: markdown and raw numbers."""
+    sizes, rounds, steps = ((8,), 2, 2) if quick else ((32, 128), 15, 10)
+    results = run(sizes, rounds, steps)
+    text = "\n\n".join(
+        [
+            f"### One process ({rounds} interleaved rounds x {steps} steps per mode)",
+            table(results),
+            budget_table(budgets(results)),
+        ]
+    )
+    return text, to_json(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(__doc__, section, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Smoke tests: the benchmark suite runs end to end in its quick configuration and prints its
+tables. Timings are the benchmark's business, never asserted here (the machine is shared)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_single_process_and_memory_tables(tmp_path):
+    out = _run("--skip", "ranks", "--json", str(tmp_path / "r.json"))
+    for label in (
+        "plain training",
+        "no-op TorchDispatchMode (floor)",
+        "rngcheck, defaults",
+        'rngcheck, sync="op"',
+        "DebugMode + log_tensor_hashes()",
+        "checkpoint(debug=True)",
+    ):
+        assert f"| {label} |" in out
+    assert "rngcheck defaults / no-op mode" in out
+    assert "| random ops seen | events kept |" in out
+
+    raw = json.loads((tmp_path / "r.json").read_text())
+    assert raw["single"]["8"]["rngcheck"]["samples"] == 4
+    # The window (16 events in the quick run) bounds what the checker keeps.
+    assert [s["events_kept"] for s in raw["memory"]][1:] == [16, 16, 16]
+
+
+@pytest.mark.distributed
+def test_two_rank_timing_and_exchange_tables():
+    out = _run("--skip", "single,memory")
+    assert "| mode (2 ranks, DDP over gloo) |" in out
+    assert "| rngcheck, defaults |" in out
+    assert '| 2 | sync="step" |' in out
+    assert '| 2 | sync="op" |' in out
