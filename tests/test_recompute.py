@@ -20,6 +20,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+import rngcheck
+
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 DROPOUT_OP = "aten.bernoulli_.float"  # what F.dropout runs on CPU
 
@@ -445,3 +447,42 @@ def test_generator_chosen_at_run_time(reentrant):
         at="picked",
         cause=["picks its generator at run time"],
     )
+
+
+def test_device_generator_only_inside_the_function_cause_without_a_device():
+    """The CUDA case's cause text, checked here on the tracker with two recorded events (the
+    real CUDA run is the test above, marked cuda)."""
+    from rngcheck.generators import GeneratorId
+    from rngcheck.recompute import RecomputeTracker
+    from rngcheck.stacks import Stack
+
+    cuda = GeneratorId(kind="default", device="cuda:0")
+
+    def event(before: int, phase: rngcheck.Phase) -> rngcheck.RandomOpEvent:
+        return rngcheck.RandomOpEvent(
+            seq=0,
+            op=DROPOUT_OP,
+            generator=cuda,
+            device="cuda:0",
+            args=("float32[4, 16]", "p=0.5"),
+            before=before,
+            after=before + 1,
+            phase=phase,
+            stack=Stack.capture(),
+        )
+
+    findings: list[rngcheck.Finding] = []
+    tracker = RecomputeTracker(findings.append)
+    tracker.live = True
+    region = tracker.new_region(
+        kind="non-reentrant", preserve_rng_state=True, args=(torch.randn(2),)
+    )
+    with tracker.phase(region, rngcheck.Phase.FORWARD):
+        tracker.on_event(event(10, rngcheck.Phase.FORWARD))
+    with tracker.phase(region, rngcheck.Phase.RECOMPUTE):
+        tracker.on_event(event(20, rngcheck.Phase.RECOMPUTE))
+    [finding] = findings
+    assert finding.differs == "state"
+    assert "default cuda:0 is used only inside the checkpointed function" in finding.cause
+    assert "tensor arguments' device (cpu) only" in finding.cause
+    assert "Pass a cuda tensor as an argument" in finding.cause
