@@ -80,11 +80,15 @@ register_device_adapter("xla", DeviceAdapter(_canonical, _digest, current=_canon
 # MpDeviceLoader or optimizer_step) are the library's, not the user's line to blame.
 register_library_dir(os.path.dirname(os.path.abspath(torch_xla.__file__)) + os.sep)
 register_seed_api("torch_xla.core.xla_model", "set_rng_state", "xla", _seed_argument)
-# The syncs reset the seed; watching them names the line behind a state change across a step.
-# torch_xla.torch_xla.sync is what torch_xla.step() calls; xm.mark_step calls torch_xla.sync.
-register_seed_api("torch_xla.core.xla_model", "mark_step", "xla", _no_argument)
-register_seed_api("torch_xla", "sync", "xla", _no_argument)
-register_seed_api("torch_xla.torch_xla", "sync", "xla", _no_argument)
+# The syncs reset the seed; watching them explains a state change across a step, as the
+# library's own (library=True), never a user's seed to blame. torch_xla.torch_xla.sync is what
+# torch_xla.step() calls; xm.mark_step calls torch_xla.sync.
+for _module, _name in (
+    ("torch_xla.core.xla_model", "mark_step"),
+    ("torch_xla", "sync"),
+    ("torch_xla.torch_xla", "sync"),
+):
+    register_seed_api(_module, _name, "xla", _no_argument, library=True)
 
 
 class _CheckpointFunctionShim:
@@ -103,10 +107,12 @@ class _CheckpointFunctionShim:
         tracker = mode.recompute_tracker if mode is not None else None
         if tracker is None:
             return self._original.apply(function, preserve_rng_state, *args)
-        # torch_xla's checkpoint is torch's reentrant one plus the XLA seed (xm.set_rng_state of
-        # the default device), so it is compared and explained as a reentrant region.
+        # kind "custom": torch_xla restores the XLA seed of the default device itself, not the
+        # generators of the arguments' devices as torch.utils.checkpoint does; a recompute that
+        # continues the forward's seed is then blamed on a missing restore (the bug of
+        # pytorch/xla PR 4690), not on a Megatron-style named stream.
         region = tracker.new_region(
-            kind="reentrant",
+            kind="custom",
             preserve_rng_state=bool(preserve_rng_state),
             args=args,
             name="torch_xla checkpoint",

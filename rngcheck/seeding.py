@@ -49,6 +49,7 @@ class _Target:
     name: str
     affects: str  # "*" (every default generator), "cpu", or a device type ("cuda")
     describe: Callable[[tuple, dict], str]
+    library: bool = False  # a reset the library makes on its own schedule (an XLA sync)
 
 
 _TARGETS: list[_Target] = [
@@ -72,12 +73,21 @@ _TARGETS: list[_Target] = [
 
 
 def register_seed_api(
-    module: str, name: str, affects: str, describe: Callable[[tuple, dict], str] = _seed_arg
+    module: str,
+    name: str,
+    affects: str,
+    describe: Callable[[tuple, dict], str] = _seed_arg,
+    *,
+    library: bool = False,
 ) -> None:
-    """Add a seeding API to watch (the torch_xla support adds ``xm.set_rng_state``)."""
+    """Add a seeding API to watch (the torch_xla support adds ``xm.set_rng_state``).
+
+    ``library=True``: the call resets the state as part of the library's normal work (an XLA
+    ``mark_step``); it explains a state change but is never the user's seed to blame.
+    """
     if any(t.module == module and t.name == name for t in _TARGETS):
         raise ValueError(f"{module}.{name} is already watched")
-    _TARGETS.append(_Target(module, name, affects, describe))
+    _TARGETS.append(_Target(module, name, affects, describe, library))
 
 
 def _affects(affects: str, device: str) -> bool:
@@ -124,7 +134,8 @@ class SeedCallLog:
                     api=api,
                     argument=target.describe(args, kwargs),
                     stack=Stack.capture(skip=1),
-                    by_torch=is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS),
+                    by_torch=target.library
+                    or (is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)),
                 )
                 self._calls.append((self.counter, target.affects, call))
             self._depth += 1

@@ -81,6 +81,7 @@ def test_report_scenario_detected():
     assert forward.event.generator.label == "default xla:0"
     assert recompute.event.phase is Phase.RECOMPUTE
     assert forward.event.before != recompute.event.before
+    assert "did not restore default xla:0 to its forward state" in finding.cause
 
 
 def test_fixed_checkpoint_quiet():
@@ -118,7 +119,7 @@ def test_preserve_rng_state_false_detected(device):
     finding = info.value.finding
     assert finding.op.startswith("aten.bernoulli")
     assert finding.differs == "state"
-    assert "preserve_rng_state=False" in finding.cause
+    assert "default xla:0 was not restored before the recompute" in finding.cause
     site = finding.stack.call_site
     assert site is not None and site.line.endswith("# dropout line")
 
@@ -181,6 +182,7 @@ def test_random_op_without_checkpoint_quiet(device):
     apis = [[c.api for c in e.out_of_band.calls] for e in after_sync]
     mark_step, sync = "torch_xla.core.xla_model.mark_step", "torch_xla.torch_xla.sync"
     assert apis == [[mark_step], [mark_step, sync], [sync]]  # torch_xla.step() syncs on both ends
+    assert not any(e.out_of_band.user_calls for e in after_sync)  # explained, not blamed
 
 
 def test_event_digest_is_the_seed_digest(device):
@@ -234,6 +236,93 @@ def test_mode_never_imports_torch_xla():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=_REPO
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- several torch_xla processes, XLA seeds compared over a side gloo group ------------------------
+# Each process has its own XLA CPU device (they form no XLA collective group); tests/_dist.py puts
+# a gloo group beside them, which the rank checker uses. Scenarios run in every rank.
+
+
+def _xla_ranks_mode() -> Any:
+    return rngcheck.RNGConsistencyMode(on_finding="record", timeout=30.0, console=_quiet_console())
+
+
+def _ranks_summary(mode: Any) -> dict[str, Any]:
+    report = mode.report
+    return {
+        "ok": report.ok,
+        "ops_by_generator": report.ops_by_generator,
+        "findings": [
+            {
+                "kind": f.kind.value,
+                "ranks": list(f.ranks),
+                "op": f.op,
+                "site": f.site,
+                "cause": f.cause,
+                "generators": sorted({s.event.generator.label for s in f.sides if s.event}),
+            }
+            for f in report.findings
+        ],
+    }
+
+
+def _xla_training(rank: int, *, rank_seed: bool) -> tuple[dict[str, Any], int]:
+    device = torch_xla.device()
+    xm.set_rng_state(0, device)
+    layer = torch.nn.Linear(16, 16).to(device)
+    x = torch.ones(8, 16, device=device)
+    line = 0
+    with _xla_ranks_mode() as mode:
+        for step in range(3):
+            if rank_seed and step == 1:
+                xm.set_rng_state(1000 + rank, device)  # the bug: an XLA seed that depends on rank
+                line = sys._getframe().f_lineno + 1
+            torch.nn.functional.dropout(layer(x), 0.5).sum().backward()
+            xm.mark_step()  # every step resets the seed the same way on every rank: no finding
+    return _ranks_summary(mode), line
+
+
+def xla_ranks_same_seed(rank: int, world: int) -> dict[str, Any]:
+    return _xla_training(rank, rank_seed=False)[0]
+
+
+def xla_ranks_seed_differs(rank: int, world: int) -> dict[str, Any]:
+    summary, line = _xla_training(rank, rank_seed=True)
+    return {**summary, "line": line}
+
+
+@pytest.fixture(scope="module")
+def xla_ranks(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    names = ["xla_ranks_same_seed", "xla_ranks_seed_differs"]
+    env = {"PJRT_DEVICE": "CPU"}
+    return run_scenarios(
+        __file__, names, world_size=2, out_dir=tmp_path_factory.mktemp("xla"), env=env
+    )
+
+
+@pytest.mark.distributed
+def test_ranks_with_equal_xla_seeds_quiet(xla_ranks: Any) -> None:
+    for rank, r in xla_ranks["xla_ranks_same_seed"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["ok"], (rank, r["findings"])
+        assert r["ops_by_generator"] == {"default xla:0": 3}
+
+
+@pytest.mark.distributed
+def test_ranks_whose_xla_seeds_differ_detected(xla_ranks: Any) -> None:
+    for rank, r in xla_ranks["xla_ranks_seed_differs"].items():
+        assert "error" not in r, r.get("traceback")
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        (finding,) = r["findings"]
+        assert finding["kind"] == "rank_divergence"
+        assert finding["ranks"] == [0, 1]
+        assert finding["op"].startswith("aten.bernoulli")
+        assert finding["generators"] == ["default xla:0"]
+        assert finding["site"] == f"test_xla.py:{r['line']}"
+        assert "torch_xla.core.xla_model.set_rng_state(1001" in finding["cause"], finding["cause"]
+        assert "mark_step" not in finding["cause"]  # the syncs reset every rank alike
 
 
 def _quiet_console() -> Any:
