@@ -269,6 +269,20 @@ def subgroups(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def rank_list_group(rank: int, world: int) -> dict[str, Any]:
+    """group=[0, 1] on four ranks: ranks 0 and 1 are checked with each other, 2 and 3 not at all."""
+    torch.manual_seed(rank if rank >= 2 else 0)  # ranks 2 and 3 differ: nobody asked them to agree
+    with _mode(group=[0, 1]) as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, opt)
+        if rank == 1:
+            line = _line()
+            torch.rand(1)
+        _train_step(model, opt)
+    return {**_summary(mode), "line": locals().get("line")}
+
+
 def mesh_dims(rank: int, world: int) -> dict[str, Any]:
     """A 2x2 (dp, tp) mesh: tensor-parallel dropout differs across tp, agrees across dp."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -372,7 +386,7 @@ _TWO = [
     "step_every",
     "exit_vs_barrier",
 ]
-_FOUR = ["clean_training", "subgroups", "mesh_dims", "stage_dims"]
+_FOUR = ["clean_training", "subgroups", "rank_list_group", "mesh_dims", "stage_dims"]
 
 
 @pytest.fixture(scope="module")
@@ -550,6 +564,17 @@ def test_subgroups_with_different_expectations(four: Any) -> None:
         assert f["site"] == _site(r["diverge"]["line"])
         assert "Generator #1" in f["cause"]
     _rendered_once({k: v["collide"] for k, v in results.items()}, 2)
+
+
+def test_mode_group_as_a_rank_list(four: Any) -> None:
+    results = four["rank_list_group"]
+    line = results[1]["line"]
+    for rank in (0, 1):
+        f = _only(results[rank])
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
+        assert f["site"] == _site(line)
+    for rank in (2, 3):
+        assert results[rank]["ok"] and results[rank]["stats"] == {}
 
 
 def test_mesh_dimensions_as_groups(four: Any) -> None:
