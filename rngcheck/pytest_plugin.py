@@ -9,9 +9,9 @@
 - The ``rngcheck_mode`` fixture hands a test the active mode (its report, ``check()``); on its own
   it starts a recording mode that does not fail the test, so the test can assert on the findings.
 
-Only the test's call phase is checked, not its fixtures' set-up and teardown. This module imports
-neither torch nor the rest of rngcheck until a test asks for checking: the plugin is loaded in
-every pytest run of an environment where rngcheck is installed.
+Only the test's call phase is checked, not its fixtures' set-up and teardown. The plugin is loaded
+in every pytest run of an environment where rngcheck is installed: when nothing asks for checking
+it adds no header line, starts no mode and leaves every test alone.
 """
 
 from __future__ import annotations
