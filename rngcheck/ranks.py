@@ -245,7 +245,9 @@ class RankChecker:
         members = self._members(spec, mesh)
         policy = event.expect if event.expect in _POLICY_CODE else "same"
         stream = _text_hash(policy, ",".join(map(str, members))) if members else 0
-        gen = event.generator.key
+        # Each rank drives its own device (cuda:0 on rank 0, cuda:1 on rank 1): compare by type.
+        ident = event.generator
+        gen = f"{ident.kind}#{ident.number}:{ident.device.split(':')[0]}"
         if gen not in self._seen_generators:
             self._seen_generators.add(gen)
             self._first_use.add(len(self._pending))

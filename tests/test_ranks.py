@@ -619,7 +619,78 @@ def test_a_rank_that_stops_reaching_the_exchange(tmp_path: Any) -> None:
     assert "rngcheck:" in r0["rendered"]
 
 
+def _cuda_device() -> torch.device:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def cuda_philox(rank: int, world: int) -> dict[str, Any]:
+    """Philox generators (seed, offset): a rank-dependent CUDA seed before replicated dropout."""
+    device = _cuda_device()
+    torch.cuda.manual_seed(0)
+    with _mode() as mode:
+        x = torch.ones(64, device=device)
+        torch.nn.functional.dropout(x, 0.5)  # agrees: same seed, same offset on every rank
+        line = _line()
+        torch.cuda.manual_seed(1000 + rank)
+        torch.nn.functional.dropout(x, 0.5)
+        mode.check()
+    return {**_summary(mode), "line": line}
+
+
+def cuda_dtensor_tracker(rank: int, world: int) -> dict[str, Any]:
+    """DTensor's OffsetBasedRNGTracker on a CUDA mesh: sharded dropout keeps the mesh in step
+    (each shard at its own offset, the same state after); a rank that reseeds breaks it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    device = _cuda_device()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cuda", (world,))
+    x = distribute_tensor(torch.ones(8, 8, device=device), mesh, [Shard(0)])
+    torch.nn.functional.dropout(x, 0.5)  # creates the tracker (it broadcasts rank 0's state)
+    with _mode(sync="op") as mode:
+        torch.nn.functional.dropout(x, 0.5)
+        clean = mode.report.ok
+        if rank == 1:
+            seed_line = _line()
+            torch.cuda.manual_seed(5)
+        line = _line()
+        torch.nn.functional.dropout(x, 0.5)
+    return {**_summary(mode), "clean": clean, "line": line, "seed_line": locals().get("seed_line")}
+
+
+@pytest.fixture(scope="module")
+def cuda_two(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    names = ["cuda_philox", "cuda_dtensor_tracker"]
+    return run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path_factory.mktemp("cuda"))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_philox_generators_diverge() -> None:  # pragma: no cover - CUDA lane
-    pytest.skip("CUDA scenario runs in the device lane")
+def test_cuda_philox_rank_dependent_seed(cuda_two: Any) -> None:  # pragma: no cover - CUDA lane
+    results = cuda_two["cuda_philox"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state"
+        assert f["op"] == "aten.bernoulli_.float"
+        assert "default cuda" in f["message"]
+        assert f"torch.cuda.manual_seed(1000) at {_site(r['line'])}" in f["cause"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dtensor_offset_tracker(cuda_two: Any) -> None:  # pragma: no cover - CUDA lane
+    results = cuda_two["cuda_dtensor_tracker"]
+    seed_line = results[1]["seed_line"]
+    for r in results.values():
+        assert "error" not in r, r.get("traceback")
+        assert r["clean"], "a sharded DTensor dropout under the tracker must leave ranks in step"
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["site"] == _site(r["line"])
+        assert f"torch.cuda.manual_seed(5) at {_site(seed_line)}" in f["cause"]
