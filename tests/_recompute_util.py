@@ -71,6 +71,10 @@ def assert_recompute_finding(
         assert event is not None, label
         assert event.site == f"{os.path.basename(file)}:{line}", (label, event.site)
         assert event.op == op
+    recompute = labels["recompute"].event
+    if recompute is not None:  # the finding carries the recompute's stack as its other stack
+        assert finding.other_stack is not None
+        assert finding.other_stack.describe() == recompute.site
     for text in cause:
         assert text in finding.cause, f"{text!r} not in cause: {finding.cause}"
     assert finding.region, "a recompute finding names its region"

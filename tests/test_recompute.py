@@ -38,9 +38,12 @@ def test_user_generator_is_not_restored(reentrant):
     def block(x):
         return lin(x) * (torch.rand(x.shape, generator=gen) > 0.1)  # <- user gen
 
-    report = run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
+    def step():
+        loss = checkpoint(block, _input(), use_reentrant=reentrant).sum()
+        loss.backward()
+
     finding = assert_recompute_finding(
-        report,
+        run(step),
         op="aten.rand.generator",
         differs="state",
         at="user gen",
@@ -48,6 +51,13 @@ def test_user_generator_is_not_restored(reentrant):
     )
     assert ("reentrant" if reentrant else "non-reentrant") in finding.region
     assert finding.sides[1].event.generator.kind == "user"
+    # the two stacks part above the op's line: the forward came from checkpoint(...), the
+    # recompute from .backward()
+    forward_lines = [f.line for f in finding.stack.user_frames]
+    recompute_lines = [f.line for f in finding.other_stack.user_frames]
+    assert "loss = checkpoint(block, _input(), use_reentrant=reentrant).sum()" in forward_lines
+    assert "loss.backward()" in recompute_lines
+    assert "loss.backward()" not in forward_lines
 
 
 @REENTRANT
