@@ -94,6 +94,12 @@ class CPURNGStatesTracker:
         self.states[name] = torch.get_rng_state()
         torch.set_rng_state(outside)
 
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
         outside = torch.get_rng_state()

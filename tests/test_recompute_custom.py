@@ -3,6 +3,8 @@ torch.autograd.Function that forgets to restore the RNG is found; one that resto
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import _recompute_util
 import pytest
 import torch
@@ -186,3 +188,40 @@ def test_a_region_may_recompute_in_each_of_several_backwards():
         y.sum().backward()
 
     assert run(step).ok
+
+
+def _readme_checkpoint_function(drop_line: str = "") -> type:
+    """The Megatron-style CheckpointFunction of the README's recompute section, executed as
+    written (minus ``drop_line``), with a CPU tracker behind ``get_rng_tracker()``."""
+    readme = Path(__file__).resolve().parent.parent / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    section = text[text.index("### Custom checkpoint functions") :]
+    code = section[section.index("```python") + len("```python") : section.index("```\n\n")]
+    if drop_line:
+        assert drop_line in code
+        code = "\n".join(line for line in code.splitlines() if drop_line not in line)
+    tracker = CPURNGStatesTracker()
+    tracker.add("model-parallel-rng", 2024)
+    namespace = {"torch": torch, "rngcheck": rngcheck, "get_rng_tracker": lambda: tracker}
+    exec(compile(code, str(readme), "exec"), namespace)
+    function = namespace["CheckpointFunction"]
+    function.tracker = tracker
+    return function
+
+
+@pytest.mark.parametrize("forget_tracker", [False, True])
+def test_the_readme_custom_checkpoint_example(forget_tracker):
+    function = _readme_checkpoint_function("set_states" if forget_tracker else "")
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        with function.tracker.fork():
+            return F.dropout(lin(x), 0.1)
+
+    report = run(lambda: function.apply(block, _input()).sum().backward())
+    if not forget_tracker:
+        assert report.ok, [f.cause for f in report.findings]
+        return
+    [finding] = report.findings
+    assert finding.region.startswith("transformer layer (custom)")
+    assert finding.differs == "state" and "named RNG stream" in finding.cause
