@@ -86,8 +86,9 @@ class _Run:
         self.files[report.rank] = path
         for f in report.findings:
             # Every rank records the same rank finding: merge them. Local findings (a recompute
-            # mismatch) merge when every rank hit the very same one, as SPMD ranks do.
-            key = (f.kind.value, f.op, f.seq, f.ranks, f.message, f.site)
+            # mismatch) merge when the ranks hit the same one at the same op and line, as SPMD
+            # ranks do (not by message: it numbers checkpoint regions per process).
+            key = (f.kind.value, f.op, f.seq, f.ranks, f.differs, f.site)
             entry = self.findings.setdefault(key, _MergedFinding(f))
             entry.seen_on.add(report.rank)
         for n in report.notes:

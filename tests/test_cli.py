@@ -1,0 +1,253 @@
+"""The rngcheck CLI on reports and traces saved by real runs of the mode: what it prints and the
+exit codes CI relies on."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+from torch.utils.checkpoint import checkpoint
+
+import rngcheck
+from rngcheck.cli import main
+from rngcheck.report import Report
+from rngcheck.trace import read_trace
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TITLE = "checkpoint recompute drew different random numbers"
+HERE = Path(__file__).name
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    buf = io.StringIO()
+    code = main(list(args), console=Console(file=buf, width=200))
+    return code, buf.getvalue()
+
+
+def _line_of(text: str) -> str:
+    lines = Path(__file__).read_text().splitlines()
+    return f"{HERE}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+
+
+# -- programs whose reports and traces the tests read ------------------------------------------
+
+
+def _buggy_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # not replayed
+
+    checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+
+
+def _training(steps: int = 5, *, seed: int = 0, extra_at: int = -1, p: float = 0.1) -> None:
+    torch.manual_seed(seed)
+    x = torch.ones(4, 4)
+    for i in range(steps):
+        if i == extra_at:
+            torch.rand(3)  # the refactor: one more random op
+        torch.nn.functional.dropout(x, p)  # the dropout line
+
+
+def _save_report(path: Path, fn, **meta) -> Report:
+    with rngcheck.RNGConsistencyMode(on_finding="record", report_path=str(path)) as mode:
+        fn()
+    report = Report.load(path)
+    if meta:  # the fields a multi-rank run sets (the same program ran on each "rank")
+        report.meta.update({k: v for k, v in meta.items() if k not in ("rank", "world_size")})
+        report.rank, report.world_size = meta.get("rank", 0), meta.get("world_size", 1)
+        report.save(path)
+    assert report.random_ops == mode.report.random_ops
+    return report
+
+
+def _save_trace(path: Path, **kwargs) -> Path:
+    with rngcheck.RNGConsistencyMode(on_finding="record", trace=str(path)):
+        _training(**kwargs)
+    return path
+
+
+# -- show ----------------------------------------------------------------------------------------
+
+
+def test_show_renders_a_report_with_the_ops_around_the_finding(tmp_path: Path) -> None:
+    report = _save_report(tmp_path / "r.json", _buggy_step)
+    code, out = _cli("show", str(tmp_path / "r.json"))
+    assert code == 1
+    assert out.count(TITLE) == 1
+    assert _line_of("# not replayed") in out  # the user's line
+    assert "random ops around it:" in out and "aten.rand.generator on Generator #1" in out
+    assert f"rngcheck: 1 report, {report.random_ops} random op(s) checked, 1 finding(s)" in out
+    code, out = _cli("show", "--no-context", str(tmp_path / "r.json"))
+    assert code == 1 and "random ops around it" not in out
+
+
+def test_show_merges_the_per_rank_files_of_one_run(tmp_path: Path) -> None:
+    for rank in (0, 1):
+        _save_report(
+            tmp_path / f"rank{rank}.json", _buggy_step, rank=rank, world_size=2, run_id="job-7"
+        )
+    code, out = _cli("show", str(tmp_path))
+    assert code == 1
+    assert out.count(TITLE) == 1  # one rendering for the finding both ranks recorded
+    assert "recorded by rank(s) 0:2" in out
+    assert "rngcheck: 2 rank report(s) (ranks 0:2 of 2)" in out
+    assert "no report from" not in out
+
+
+def test_show_exit_codes_clean_and_incomplete(tmp_path: Path) -> None:
+    clean = tmp_path / "clean"
+    report = _save_report(clean / "rank0.json", _training)
+    assert _cli("show", str(clean)) == (
+        0,
+        f"rngcheck: 1 report, {report.random_ops} random op(s) checked, no findings\n",
+    )
+    # Rank 1 of 2 never wrote its report (killed hard): no findings, but not a clean bill either.
+    partial = tmp_path / "partial"
+    _save_report(partial / "rank0.json", _training, rank=0, world_size=2, run_id="job-8")
+    code, out = _cli("show", str(partial))
+    assert code == 3
+    assert "no report from rank(s) 1" in out
+
+
+def test_show_keeps_runs_apart(tmp_path: Path) -> None:
+    _save_report(tmp_path / "a.json", _training, run_id="run-a")
+    _save_report(tmp_path / "b.json", _buggy_step, run_id="run-b")
+    code, out = _cli("show", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert code == 1
+    assert "== run run-a" in out and "== run run-b" in out
+    assert out.index("== run run-b") < out.index(TITLE)  # the finding is under its own run
+
+
+def test_show_refuses_what_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = _save_trace(tmp_path / "t.jsonl")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "empty").mkdir()
+    _save_report(tmp_path / "x" / "one.json", _training, run_id="r")
+    _save_report(tmp_path / "x" / "two.json", _training, run_id="r")
+    cases = {
+        str(tmp_path / "missing.json"): "no such file or directory",
+        str(trace): "(a trace? use `rngcheck diff`)",
+        str(tmp_path / "bad.json"): "not a readable rngcheck report",
+        str(tmp_path / "empty"): "no *.json reports in this directory",
+        str(tmp_path / "x"): "are both rank 0 of run r",
+    }
+    for path, message in cases.items():
+        code, out = _cli("show", path)
+        assert code == 2 and out == ""
+        assert message in capsys.readouterr().err
+
+
+# -- diff ----------------------------------------------------------------------------------------
+
+
+def test_diff_same_program_is_the_same(tmp_path: Path) -> None:
+    a = _save_trace(tmp_path / "golden.jsonl")
+    b = _save_trace(tmp_path / "new.jsonl")
+    assert _cli("diff", str(a), str(b)) == (
+        0,
+        "rngcheck diff: the random-op streams are the same (5 random op(s))\n",
+    )
+
+
+def test_diff_shows_the_first_divergent_op_with_both_call_sites(tmp_path: Path) -> None:
+    a = _save_trace(tmp_path / "before.jsonl")
+    b = _save_trace(tmp_path / "after.jsonl", extra_at=2)
+    code, out = _cli("diff", str(a), str(b))
+    assert code == 1
+    assert "diverge at random op #2 (2 op(s) agree before it); first difference: op" in out
+    assert "A ran aten.bernoulli_.float, B ran aten.rand.default" in out
+    dropout, extra = _line_of("# the dropout line"), _line_of("# the refactor")
+    assert f"A ({a}): aten.bernoulli_.float(float32[4, 4], p=0.9) on default cpu" in out
+    assert f"at {dropout}" in out and f"B ({b}): aten.rand.default(size=[3]" in out
+    assert f"at {extra}" in out
+    assert "A stack (most recent call last):" in out and "B stack (most recent call last):" in out
+    assert "torch.rand(3)  # the refactor" in out  # B's source line
+
+
+@pytest.mark.parametrize(
+    ("b_kwargs", "differs", "explanation"),
+    [
+        ({"seed": 1}, "state before", "was in a different state before it"),
+        ({"p": 0.5}, "arguments", "same op, different arguments (float32[4, 4], p=0.9 vs"),
+        ({"steps": 3}, "length", "B ended after 3 random op(s); A went on with"),
+    ],
+)
+def test_diff_names_what_differs_first(tmp_path: Path, b_kwargs, differs, explanation) -> None:
+    a = _save_trace(tmp_path / "a.jsonl")
+    b = _save_trace(tmp_path / "b.jsonl", **b_kwargs)
+    code, out = _cli("diff", str(a), str(b))
+    assert code == 1
+    assert f"first difference: {differs}" in out and explanation in out
+
+
+def test_diff_structure_only_ignores_states(tmp_path: Path) -> None:
+    a = _save_trace(tmp_path / "a.jsonl")
+    b = _save_trace(tmp_path / "b.jsonl", seed=1)
+    assert _cli("diff", "--structure-only", str(a), str(b))[0] == 0
+    c = _save_trace(tmp_path / "c.jsonl", seed=1, extra_at=0)
+    assert _cli("diff", "--structure-only", str(a), str(c))[0] == 1
+
+
+def test_a_trace_holds_every_op_however_small_the_window(tmp_path: Path) -> None:
+    path = tmp_path / "long.jsonl"
+    with rngcheck.RNGConsistencyMode(on_finding="record", trace=str(path), window=8):
+        _training(steps=600)
+    trace = read_trace(path)
+    ops = list(trace.ops())
+    assert [op.seq for op in ops] == list(range(600)) and trace.footer["random_ops"] == 600
+    assert path.stat().st_size < 600 * 400  # call stacks are stored once, not per op
+    assert [p.name for p in tmp_path.iterdir()] == ["long.jsonl"]  # no temporary file left
+
+
+def test_diff_refuses_truncated_or_foreign_files(tmp_path: Path, capsys) -> None:
+    a = _save_trace(tmp_path / "a.jsonl")
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("".join(a.read_text().splitlines(keepends=True)[:-1]))
+    report = tmp_path / "r.json"
+    _save_report(report, _training)
+    for other, message in (
+        (cut, "the trace has no end line (a truncated file?)"),
+        (report, "is not an rngcheck trace"),
+        (tmp_path / "nope.jsonl", "No such file or directory"),
+    ):
+        assert _cli("diff", str(a), str(other)) == (2, "")
+        assert message in capsys.readouterr().err
+
+
+def test_plain_tensors_and_dtensor_draw_the_same_numbers(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RNGCHECK", "_RNGCHECK"))}
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    r = subprocess.run(
+        [sys.executable, str(SCRIPTS / "dtensor_vs_plain.py"), str(tmp_path), str(port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Through the console script, as CI would call it.
+    rngcheck_bin = Path(sys.executable).parent / "rngcheck"
+    r = subprocess.run(
+        [str(rngcheck_bin), "diff", str(tmp_path / "plain.jsonl"), str(tmp_path / "dtensor.jsonl")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (r.returncode, r.stdout) == (
+        0,
+        "rngcheck diff: the random-op streams are the same (3 random op(s))\n",
+    )
