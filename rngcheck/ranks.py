@@ -16,12 +16,12 @@ of packed bucket counts, only in windows that have such ops.
 
 Every collective passes the checker's group; a rank that does not arrive within
 ``config.timeout`` gives a ``rank_missing`` finding (gloo honours the group timeout) instead of a
-hang, and after any finding the checker stops exchanging.
+hang, and after any finding the checker stops exchanging. Localising and describing the
+divergence from the gathered data is ``rank_findings.py``'s job.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import logging
@@ -38,8 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .events import RandomOpEvent, SeedCall
+from .events import RandomOpEvent
 from .policy import current_expectation
+from .rank_findings import Point, build_finding, localise, point_text
 from .report import Finding, FindingKind, Side, format_ranks
 from .stacks import Stack
 
@@ -54,28 +55,6 @@ _MASK62 = (1 << 62) - 1
 _ABSENT = -(1 << 63)  # MAX-neutral: a rank without a stream in a slot
 _ROW = 5  # structure, stream, before, after, policy
 _POLICY_CODE = {"same": 1, "differ": 2}
-_DATA_DIR = "/torch/utils/data/"
-
-
-class Point(enum.IntEnum):
-    """Where a rank stood when it joined an exchange; all ranks must stand at the same kind."""
-
-    RANDOM_OP = 1
-    COLLECTIVE = 2
-    OPTIMIZER_STEP = 3
-    EVERY = 4
-    CHECK = 5
-    EXIT = 6
-
-
-_POINT_TEXT = {
-    Point.RANDOM_OP: "a random op",
-    Point.COLLECTIVE: "a collective",
-    Point.OPTIMIZER_STEP: "an optimizer step",
-    Point.EVERY: "the every-N-ops exchange",
-    Point.CHECK: "mode.check()",
-    Point.EXIT: "the end of the checked block",
-}
 
 
 @dataclass(slots=True)
@@ -449,7 +428,7 @@ class RankChecker:
             for rank, t, h in zip(self._domain, gathered, heads, strict=True)
         }
         points = {rank: Point(h[2]) for rank, h in zip(self._domain, heads, strict=True)}
-        spot = _localise(windows, points)
+        spot = localise(windows, points)
         if spot is None:  # two streams shared a hashed slot: no real divergence
             self._clear()
             return None
@@ -457,13 +436,13 @@ class RankChecker:
         stack = Stack.capture(skip=4)
         blob = {
             "event": events[index].to_dict() if 0 <= index < len(events) else None,
-            "point": _point_text(points[self.rank], where, stack),
+            "point": point_text(points[self.rank], where, stack),
             "seed_calls": self._seed_calls(events[index]) if index in self._first_use else [],
         }
         details = self._gather_text(json.dumps(blob))
         self._stopped = True  # one report, then no more exchanges: later ops would all differ
         self._clear()
-        return _build_finding(spot, windows, details, self._domain)
+        return build_finding(spot, windows, details, self._domain)
 
     def _gather_text(self, text: str) -> dict[int, dict[str, Any]]:
         data = text.encode()
@@ -488,7 +467,7 @@ class RankChecker:
     def _missing(self, point: Point, where: str, error: BaseException) -> Finding:
         """A rank did not arrive in time: find out which through the store, and say so."""
         stack = Stack.capture(skip=3)
-        here = _point_text(point, where, stack)
+        here = point_text(point, where, stack)
         arrived = _arrivals(self._side, self._round, self.rank, self._domain, self._cfg.timeout)
         missing = tuple(r for r in self._domain if r not in arrived)
         late = not missing  # everyone else also gave up here: this rank is the one that came late
@@ -544,14 +523,6 @@ def _bucket_clash(buckets: torch.Tensor) -> bool:
     return False
 
 
-def _point_text(point: Point, where: str, stack: Stack) -> str:
-    what = where or _POINT_TEXT[point]
-    if point is Point.COLLECTIVE:
-        what = f"collective {where}"
-    site = stack.call_site
-    return f"{what} at {site.short_location}" if site is not None and site.user else what
-
-
 def _arrivals(side: Any, round_: int, rank: int, domain: tuple[int, ...], timeout: float) -> tuple:
     """The ranks that reached exchange ``round_`` (they post a key when their wait fails)."""
     try:
@@ -570,330 +541,6 @@ def _arrivals(side: Any, round_: int, rank: int, domain: tuple[int, ...], timeou
     except Exception:  # noqa: BLE001 - no store to ask: only this rank is known to be here
         log.debug("rngcheck could not read arrivals from the store", exc_info=True)
         return (rank,)
-
-
-# ---------------------------------------------------------------------------------------------
-# Localising: pure functions of the gathered windows (every rank computes the same answer)
-
-
-@dataclass(frozen=True, slots=True)
-class _Spot:
-    kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
-    index: int  # position in the windows (flow, points) or in the stream (state, collision)
-    stream: int = 0
-
-    def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
-        if self.kind in ("flow", "points"):
-            return self.index
-        positions = [i for i, r in enumerate(window) if r[1] == self.stream]
-        return positions[self.index] if self.index < len(positions) else -1
-
-
-def _localise(windows: dict[int, list[tuple]], points: dict[int, Point]) -> _Spot | None:
-    length = max(len(w) for w in windows.values())
-    for i in range(length):
-        if len({w[i][0] if i < len(w) else None for w in windows.values()}) > 1:
-            return _Spot("flow", i)
-    streams: dict[int, dict[int, list[tuple]]] = {}
-    for rank, w in windows.items():
-        for r in w:
-            if r[1]:
-                streams.setdefault(r[1], {}).setdefault(rank, []).append(r)
-    first: _Spot | None = None
-    first_pos = length
-    for stream, by_rank in streams.items():
-        if len(by_rank) < 2:
-            continue
-        for j in range(min(len(v) for v in by_rank.values())):
-            at = [v[j] for v in by_rank.values()]
-            if at[0][4] == 2:
-                states = [r[2] for r in at]
-                bad = len(set(states)) < len(states)
-                kind = "collision"
-            else:
-                bad = len({(r[2], r[3]) for r in at}) > 1
-                kind = "state"
-            if bad:
-                rank0 = min(by_rank)
-                pos = [i for i, r in enumerate(windows[rank0]) if r[1] == stream][j]
-                if pos < first_pos:
-                    first, first_pos = _Spot(kind, j, stream), pos
-                break
-    if first is not None:
-        return first
-    if len(set(points.values())) > 1:
-        return _Spot("points", length)
-    return None
-
-
-def _groups(keys: dict[int, Any]) -> list[tuple[int, ...]]:
-    """Ranks grouped by key, the largest group first (ties: the group with the lowest rank)."""
-    by: dict[Any, list[int]] = {}
-    for rank, key in sorted(keys.items()):
-        by.setdefault(key, []).append(rank)
-    return sorted((tuple(v) for v in by.values()), key=lambda g: (-len(g), g[0]))
-
-
-def _event(detail: dict[str, Any]) -> RandomOpEvent | None:
-    data = detail.get("event")
-    return RandomOpEvent.from_dict(data) if data else None
-
-
-def _ranks_word(ranks: Sequence[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
-
-
-def _build_finding(
-    spot: _Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
-) -> Finding:
-    if spot.kind == "flow":
-        return _flow_finding(spot, windows, details, domain)
-    if spot.kind == "points":
-        return _points_finding(details, domain)
-    involved = {
-        r: details[r]
-        for r in domain
-        if details[r].get("event") is not None
-        and windows[r]
-        and any(row[1] == spot.stream for row in windows[r])
-    }
-    events = {r: _event(d) for r, d in involved.items()}
-    if spot.kind == "collision":
-        return _collision_finding(events, details)
-    return _state_finding(events, details)
-
-
-def _sides(
-    groups: list[tuple[int, ...]],
-    events: dict[int, RandomOpEvent | None],
-    details: dict[int, dict],
-    labels: Sequence[str],
-) -> tuple[Side, ...]:
-    sides = []
-    for label, ranks in zip(labels, groups, strict=False):
-        ev = events.get(ranks[0])
-        note = (
-            "" if ev is not None else f"ran no random op here; reached {details[ranks[0]]['point']}"
-        )
-        sides.append(Side(label=label, ranks=ranks, event=ev, note=note))
-    return tuple(sides)
-
-
-def _labels(groups: list[tuple[int, ...]], culprit: int) -> tuple[list[tuple[int, ...]], list[str]]:
-    """Order sides reference first, then the culprit; name them majority/outliers when there is
-    a majority, reference/divergent when the split is even."""
-    ordered = [
-        groups[0],
-        groups[culprit],
-        *(g for i, g in enumerate(groups) if i not in (0, culprit)),
-    ]
-    majority = len(groups[0]) > max(len(g) for g in groups[1:])
-    names = ("majority", "outliers") if majority else ("reference", "divergent")
-    return ordered, [names[0]] + [names[1]] * (len(ordered) - 1)
-
-
-def _flow_finding(
-    spot: _Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
-) -> Finding:
-    i = spot.index
-    at = {r: (windows[r][i][0] if i < len(windows[r]) else None) for r in domain}
-    nxt = {r: (windows[r][i + 1][0] if i + 1 < len(windows[r]) else None) for r in domain}
-    groups = _groups(at)
-    events = {r: _event(details[r]) for r in domain}
-    a, b = groups[0], groups[1]
-    # Which side ran the extra op? The one whose next op is what the other side runs now.
-    culprit = 1
-    extra_side: tuple[int, ...] | None = None
-    if at[b[0]] is not None and nxt[b[0]] == at[a[0]]:
-        extra_side = b
-    elif at[a[0]] is not None and (nxt[a[0]] == at[b[0]] or at[b[0]] is None):
-        extra_side = a
-        if len(a) == len(b):
-            culprit = 0
-    elif at[a[0]] is None:
-        extra_side = b
-    if culprit == 0:
-        groups = [b, a, *groups[2:]]
-        culprit = 1
-    ordered, labels = _labels(groups, culprit)
-    sides = _sides(ordered, events, details, labels)
-    ref, odd = sides[0], sides[1]
-    if extra_side is not None:
-        others = tuple(r for r in domain if r not in extra_side)
-        ev = events[extra_side[0]]
-        assert ev is not None
-        cause = (
-            f"{_ranks_word(extra_side)} ran an extra random op, {ev.op} on {ev.generator.label} "
-            f"at {ev.site}, that {_ranks_word(others)} did not run there (control flow that "
-            "depends on the rank)"
-        )
-        if any(_DATA_DIR in f.filename for f in ev.stack.frames):
-            cause += (
-                ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
-                "from the global generator, so iterating a loader on some ranks only shifts every "
-                "later random op there; iterate it on every rank or give the DataLoader its own "
-                "generator="
-            )
-        elif not ev.generator.is_default:
-            cause += f"; this advanced {ev.generator.label} on those ranks only"
-    else:
-        cause = "the ranks ran different random ops here: " + "; ".join(
-            f"{_ranks_word(s.ranks)} ran {s.event.op} at {s.event.site}"
-            if s.event
-            else f"{_ranks_word(s.ranks)} {s.note}"
-            for s in sides
-        )
-    lead = odd.event or ref.event
-    assert lead is not None
-    return Finding(
-        kind=FindingKind.RANK_DIVERGENCE,
-        message=(
-            f"the ranks ran different random ops: {_describe(ref)} but {_describe(odd)} "
-            f"(random op #{(lead.seq)} on {_ranks_word(odd.ranks)})"
-        ),
-        op=lead.op,
-        cause=cause,
-        differs="op",
-        ranks=tuple(domain),
-        stack=lead.stack,
-        other_stack=(ref.event or odd.event).stack if ref.event and odd.event else None,
-        sides=sides,
-        seq=lead.seq,
-    )
-
-
-def _describe(side: Side) -> str:
-    who = _ranks_word(side.ranks)
-    if side.event is None:
-        return f"{who} {side.note}"
-    return f"{who} ran {side.event.op} at {side.event.site}"
-
-
-def _points_finding(details: dict[int, dict], domain: tuple) -> Finding:
-    groups = _groups({r: details[r]["point"].split(" at ")[0] for r in domain})
-    ordered, labels = _labels(groups, len(groups) - 1)
-    sides = tuple(
-        Side(label=label, ranks=g, note=f"reached {details[g[0]]['point']}")
-        for label, g in zip(labels, ordered, strict=False)
-    )
-    return Finding(
-        kind=FindingKind.RANK_DIVERGENCE,
-        message="the ranks reached different exchange points after the same random ops: "
-        + "; ".join(f"{_ranks_word(s.ranks)} {s.note}" for s in sides),
-        op="",
-        cause=(
-            "control flow differs across ranks between random ops (a different number of "
-            "optimizer steps, collectives or check() calls); rngcheck stopped exchanging"
-        ),
-        differs="exchange point",
-        ranks=tuple(domain),
-        sides=sides,
-    )
-
-
-def _seed_text(detail: dict[str, Any], event: RandomOpEvent) -> str:
-    if event.out_of_band is not None and event.out_of_band.user_calls:
-        return event.out_of_band.describe()
-    calls = [SeedCall.from_dict(c) for c in detail.get("seed_calls", [])]
-    return "; ".join(c.text for c in calls)
-
-
-def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, dict]) -> Finding:
-    evs = {r: e for r, e in events.items() if e is not None}
-    before_differs = len({e.before for e in evs.values()}) > 1
-    groups = _groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
-    seeds = {g: _seed_text(details[g[0]], evs[g[0]]) for g in groups}
-    culprit = len(groups) - 1 if len(groups[0]) > len(groups[-1]) else 1
-    if len(groups[0]) == len(groups[1]) and seeds[groups[0]] and not seeds[groups[1]]:
-        culprit = 0
-    groups_c = list(groups)
-    if culprit == 0:
-        groups_c = [groups[1], groups[0], *groups[2:]]
-        culprit = 1
-    ordered, labels = _labels(groups_c, culprit)
-    sides = _sides(ordered, evs, details, labels)
-    ref, odd = sides[0], sides[1]
-    ev = odd.event
-    assert ev is not None and ref.event is not None
-    gen = ev.generator.label
-    if not before_differs:
-        cause = (
-            f"the op itself drew differently: arguments {', '.join(ref.event.args)} on "
-            f"{_ranks_word(ref.ranks)} versus {', '.join(ev.args)} on {_ranks_word(odd.ranks)}"
-        )
-    elif seeds[odd.ranks] and seeds[ref.ranks] and seeds[odd.ranks] != seeds[ref.ranks]:
-        cause = (
-            f"the ranks seeded {gen} differently: {_ranks_word(ref.ranks)} {seeds[ref.ranks]}; "
-            f"{_ranks_word(odd.ranks)} {seeds[odd.ranks]}. A seed that depends on the rank "
-            "(seed + rank) before building a replicated model makes replicas differ; seed every "
-            "rank alike, and scope per-rank streams with rngcheck.expect('differ')"
-        )
-    elif seeds[odd.ranks]:
-        cause = f"{_ranks_word(odd.ranks)} changed {gen} outside a random op: {seeds[odd.ranks]}"
-    elif ev.out_of_band is not None:
-        cause = f"{_ranks_word(odd.ranks)}: {gen} {ev.out_of_band.describe()}"
-    elif not ev.generator.is_default:
-        cause = (
-            f"{gen} is in a different state on {_ranks_word(odd.ranks)}: it was seeded differently "
-            "or advanced on those ranks only, where rngcheck could not see it (before the checker "
-            "started, or by Generator.manual_seed / set_state)"
-        )
-    else:
-        cause = (
-            f"{gen} already differed when the checker first compared it: the ranks were seeded "
-            "differently (a seed that depends on the rank) or some drew random numbers before "
-            "the checker started"
-        )
-    what = "before" if before_differs else "after"
-    return Finding(
-        kind=FindingKind.RANK_DIVERGENCE,
-        message=(
-            f"ranks that must hold the same {gen} state do not: {_ranks_word(ref.ranks)} and "
-            f"{_ranks_word(odd.ranks)} differ {what} {ev.op} at {ev.site} (random op #{ev.seq})"
-        ),
-        op=ev.op,
-        cause=cause,
-        differs="state" if before_differs else "state after",
-        ranks=tuple(sorted(evs)),
-        stack=ev.stack,
-        other_stack=ref.event.stack,
-        sides=sides,
-        seq=ev.seq,
-    )
-
-
-def _collision_finding(
-    events: dict[int, RandomOpEvent | None], details: dict[int, dict]
-) -> Finding:
-    evs = {r: e for r, e in events.items() if e is not None}
-    groups = _groups({r: e.before for r, e in evs.items()})
-    shared = [g for g in groups if len(g) > 1]
-    sides = tuple(
-        Side(label="share a state" if len(g) > 1 else "distinct", ranks=g, event=evs[g[0]])
-        for g in groups
-    )
-    ev = evs[shared[0][0]]
-    seeds = _seed_text(details[shared[0][0]], ev)
-    cause = (
-        f"{_ranks_word(shared[0])} hold the same {ev.generator.label} state under "
-        "expect('differ'): the per-rank stream was not offset by rank"
-    )
-    if seeds:
-        cause += f" ({seeds})"
-    return Finding(
-        kind=FindingKind.RANK_COLLISION,
-        message=(
-            f"{_ranks_word(shared[0])} must draw different numbers but share the "
-            f"{ev.generator.label} state before {ev.op} at {ev.site} (random op #{ev.seq})"
-        ),
-        op=ev.op,
-        cause=cause,
-        differs="state",
-        ranks=tuple(sorted(evs)),
-        stack=ev.stack,
-        sides=sides,
-        seq=ev.seq,
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 import rngcheck
 from rngcheck.events import Phase, RandomOpEvent
 from rngcheck.generators import GeneratorId
-from rngcheck.ranks import Point, _build_finding, _localise, resolve_group
+from rngcheck.rank_findings import Point, build_finding, localise
+from rngcheck.ranks import resolve_group
 from rngcheck.report import FindingKind
 from rngcheck.stacks import Frame, Stack
 
@@ -33,16 +34,16 @@ def _row(op: str, before: int, after: int, stream: int = 7, policy: int = 1) -> 
 def test_localise_extra_op_then_state_then_collision() -> None:
     a, b, c = _row("bernoulli", 1, 2), _row("rand", 2, 3), _row("bernoulli", 2, 3)
     points = {0: Point.EXIT, 1: Point.EXIT}
-    flow = _localise({0: [a, c], 1: [a, b, c]}, points)
+    flow = localise({0: [a, c], 1: [a, b, c]}, points)
     assert (flow.kind, flow.index) == ("flow", 1)
-    state = _localise({0: [a, c], 1: [a, _row("bernoulli", 9, 3)]}, points)
+    state = localise({0: [a, c], 1: [a, _row("bernoulli", 9, 3)]}, points)
     assert (state.kind, state.index, state.stream) == ("state", 1, 7)
     same = _row("rand", 5, 6, stream=8, policy=2)
-    collision = _localise({0: [a, same], 1: [a, same]}, points)
+    collision = localise({0: [a, same], 1: [a, same]}, points)
     assert (collision.kind, collision.index) == ("collision", 0)
     apart = _row("rand", 4, 6, stream=8, policy=2)
-    assert _localise({0: [a, same], 1: [a, apart]}, points) is None  # a hashed-slot false alarm
-    moved = _localise({0: [a], 1: [a]}, {0: Point.COLLECTIVE, 1: Point.EXIT})
+    assert localise({0: [a, same], 1: [a, apart]}, points) is None  # a hashed-slot false alarm
+    moved = localise({0: [a], 1: [a]}, {0: Point.COLLECTIVE, 1: Point.EXIT})
     assert moved.kind == "points"
 
 
@@ -75,8 +76,8 @@ def test_flow_finding_names_the_extra_op_and_the_dataloader() -> None:
         1: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
         2: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
     }
-    spot = _localise(windows, dict.fromkeys(windows, Point.COLLECTIVE))
-    f = _build_finding(spot, windows, details, (0, 1, 2))
+    spot = localise(windows, dict.fromkeys(windows, Point.COLLECTIVE))
+    f = build_finding(spot, windows, details, (0, 1, 2))
     assert f.kind is FindingKind.RANK_DIVERGENCE and f.differs == "op"
     assert f.site == "train.py:40" and f.other_stack.describe() == "model.py:9"
     assert [s.label for s in f.sides] == ["majority", "outliers"]
