@@ -69,9 +69,14 @@ class Region:
     failed: bool = False  # a mismatch was reported: do not report this region again
     truncated: bool = False
 
+    _title: str = ""
+
     @property
     def title(self) -> str:
-        return f"{self.name} ({self.kind}) at {self.stack.describe()}"
+        # Every random op inside the region is labelled with it: summarise the stack once.
+        if not self._title:
+            self._title = f"{self.name} ({self.kind}) at {self.stack.describe()}"
+        return self._title
 
 
 class _Local(threading.local):
