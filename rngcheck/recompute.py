@@ -19,9 +19,9 @@ Custom checkpoint functions (Megatron's, DeepSpeed's, torch_xla's, hand-written)
 passes with :func:`checkpoint_region`.
 
 Each recompute op is compared with the forward's op at the same position: op, arguments,
-generator, state before, output digest. The first difference is one finding per region (and one
-per distinct mismatch per mode), with a likely cause worked out from what the two events and
-their out-of-band seeding calls show.
+generator, state before, output digest. The first difference is one finding per region (a nested
+region replaying an op its outer region already reported is not reported again), with a likely
+cause worked out from what the two events and their out-of-band seeding calls show.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = ["CheckpointRegion", "RecomputeTracker", "checkpoint_region"]
 # recorded prefix: memory stays bounded even for a region that wraps a whole model with
 # per-element random ops.
 _MAX_REGION_OPS = 100_000
+_MAX_REPORTED = 4096
 _region_numbers = itertools.count(1)
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
@@ -91,9 +92,10 @@ class RecomputeTracker:
         self._emit = emit
         self._local = _Local()
         self._saved: list[tuple[Any, str, Any]] = []
-        # One finding per distinct mismatch (op, element, both call sites): a training loop with
-        # the bug, or a nested region replaying its inner one, reports it once, not every step.
-        self._reported: set[tuple[str, str, str, str]] = set()
+        # The seq of each recompute op a finding was about. A reentrant outer recompute replays
+        # its inner checkpoint's forward; when the outer already reported the op that replay
+        # drew, the inner region comparing against that same op is the same bug, not a new one.
+        self._reported: set[int] = set()
         self.recorded = 0  # random ops recorded by the main mode (the SAC observer watches it)
         # False once the mode has exited: a region whose forward ran inside the mode may
         # recompute after it (backward outside the `with`); with no ops recorded any more, that
@@ -289,10 +291,12 @@ class RecomputeTracker:
         region.failed = True
         shown = r if r is not None else f
         assert shown is not None
-        key = (shown.op, differs, f.site if f else "", r.site if r else "")
-        if key in self._reported:
+        if f is not None and f.seq in self._reported:
             return
-        self._reported.add(key)
+        if r is not None:
+            if len(self._reported) >= _MAX_REPORTED:  # replays happen in the same backward
+                self._reported.clear()
+            self._reported.add(r.seq)
         finding = Finding(
             kind=FindingKind.RECOMPUTE_MISMATCH,
             message=f"random op #{k} of {region.title}: {detail}",

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import (
 )
 
 import rngcheck
+from rngcheck import Report
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 DROPOUT_OP = "aten.bernoulli_.float"  # what F.dropout runs on CPU
@@ -361,7 +362,7 @@ def test_composable_checkpoint_of_a_module_is_tracked():
     )
 
 
-def test_a_training_loop_with_the_bug_reports_it_once():
+def test_a_training_loop_with_the_bug_reports_it_at_every_step():
     lin = nn.Linear(16, 16)
     gen = torch.Generator().manual_seed(7)
 
@@ -372,13 +373,16 @@ def test_a_training_loop_with_the_bug_reports_it_once():
         for _ in range(5):
             checkpoint(block, _input(), use_reentrant=False).sum().backward()
 
+    report = run(train)
+    assert len(report.findings) == 5  # one per step's region; warnings are once per call site
+    assert len({f.region for f in report.findings}) == 5
+    first = Report(findings=report.findings[:1])
     assert_recompute_finding(
-        run(train),
-        op="aten.rand.generator",
-        differs="state",
-        at="loop gen",
-        cause=["generator="],
+        first, op="aten.rand.generator", differs="state", at="loop gen", cause=["generator="]
     )
+    assert {(f.op, f.site, f.differs) for f in report.findings} == {
+        ("aten.rand.generator", short("loop gen", __file__), "state")
+    }
 
 
 @REENTRANT
