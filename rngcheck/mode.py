@@ -236,7 +236,11 @@ class RNGConsistencyMode:
             self._ranks = self._start_ranks()
 
     def check(self) -> Report:
-        """Exchange with the other ranks now (with several ranks) and return the report."""
+        """Exchange with the other ranks now (with several ranks) and return the report.
+
+        With several ranks this is a collective: call it on every rank of the group, at the same
+        point (a rank that calls it alone is reported as reaching a different exchange point).
+        """
         if self._ranks is not None:
             self._ranks.check()
         return self.report

@@ -55,6 +55,7 @@ _MASK62 = (1 << 62) - 1
 _ABSENT = -(1 << 63)  # MAX-neutral: a rank without a stream in a slot
 _ROW = 5  # structure, stream, before, after, policy
 _POLICY_CODE = {"same": 1, "differ": 2}
+_MAX_GROUPS = 256  # resolved group specs kept
 
 
 @dataclass(slots=True)
@@ -285,16 +286,15 @@ class RankChecker:
     # -- groups ------------------------------------------------------------------------------
 
     def _members(self, spec: Any, mesh: Any) -> tuple[int, ...] | None:
+        plain = isinstance(spec, (str, list, tuple, range))
         key = (
-            tuple(spec)
-            if isinstance(spec, list)
-            else spec
-            if isinstance(spec, (str, tuple))
-            else id(spec),
+            tuple(spec) if plain and not isinstance(spec, str) else spec if plain else id(spec),
             id(mesh),
         )
         hit = self._groups.get(key)
         if hit is None:
+            if len(self._groups) >= _MAX_GROUPS:  # groups made afresh in a loop: do not grow
+                self._groups.clear()
             try:
                 members = resolve_group(spec, self.rank, self.world, mesh)
             except (TypeError, ValueError) as e:
@@ -340,13 +340,19 @@ class RankChecker:
         else:
             self.stats.slow_calls += 1
             self.stats.slow_bytes += nbytes
-        dist.all_reduce(t, op, group=self._side)
+        try:
+            dist.all_reduce(t, op, group=self._side)
+        except RuntimeError as e:
+            raise _PeerLost(e) from e
 
     def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in self._domain]
         self.stats.slow_calls += 1
         self.stats.slow_bytes += t.numel() * t.element_size()
-        dist.all_gather(out, t, group=self._side)
+        try:
+            dist.all_gather(out, t, group=self._side)
+        except RuntimeError as e:
+            raise _PeerLost(e) from e
         return out
 
     def _exchange_now(self, point: Point, where: str) -> Finding | None:
@@ -365,9 +371,9 @@ class RankChecker:
                 return None
             self.stats.mismatches += 1
             return self._slow_path(point, where, rows, events)
-        except RuntimeError as e:  # gloo: timeout, or a peer that went away
+        except _PeerLost as e:  # gloo: the group timeout, or a peer that went away
             self._stopped = True
-            return self._missing(point, where, e)
+            return self._missing(point, where, e.__cause__ or e)
 
     def _clear(self) -> None:
         self._rows = []
@@ -506,6 +512,10 @@ class RankChecker:
 
     def _publish(self) -> None:
         self._mode._report.meta["rank_exchange"] = self.stats.to_dict()
+
+
+class _PeerLost(Exception):
+    """A side-group collective failed: a rank timed out or went away (gloo's RuntimeError)."""
 
 
 def _mismatched(vec: torch.Tensor) -> bool:

@@ -93,3 +93,28 @@ def test_single_process_has_no_rank_checker() -> None:
         torch.rand(2)
     assert mode.report.ok and rngcheck.exchange_stats(mode) == {}
     assert rngcheck.exchange_stats() == {}  # no active mode
+
+
+def test_rank_finding_renders_as_a_panel_with_a_side_that_ran_nothing() -> None:
+    from rich.console import Console
+
+    dropout = _row("bernoulli", 1, 2)
+    windows = {0: [dropout], 1: []}
+    details = {
+        0: {"event": _event(0, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
+        1: {"event": None, "point": "collective c10d.barrier.default at train.py:70"},
+    }
+    f = build_finding(
+        localise(windows, dict.fromkeys(windows, Point.COLLECTIVE)), windows, details, (0, 1)
+    )
+    idle, extra = f.sides  # the side that ran the op is the divergent one, whatever its rank
+    assert extra.ranks == (0,) and extra.event is not None
+    assert idle.ranks == (1,) and idle.event is None
+    assert (
+        idle.note == "ran no random op here; reached collective c10d.barrier.default at train.py:70"
+    )
+    console = Console(record=True, width=300, force_terminal=True)
+    console.print(rngcheck.render_finding(f))
+    text = console.export_text()
+    assert "RNG state diverged across ranks" in text and "reached collective c10d.barrier" in text
+    assert "reference (ranks 1)" in text and "divergent (ranks 0)" in text
