@@ -1,0 +1,28 @@
+"""examples/checkpoint_dropout.py (the demo) runs, shows both mismatches, then the quiet report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "checkpoint_dropout.py"
+
+
+def test_checkpoint_dropout_example():
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.count("[recompute_mismatch]") == 2
+    assert "was passed as generator=" in out
+    assert "preserve_rng_state=False, so default cpu was not stashed" in out
+    assert out.count("dropout masks of forward and recompute equal: False") == 2
+    assert out.rstrip().endswith("no findings")
+    assert "dropout masks of forward and recompute equal: True" in out
+    # each finding points at the model's own random-op line
+    lines = EXAMPLE.read_text(encoding="utf-8").splitlines()
+    for needle in ("bernoulli_(1 - P, generator=self.generator)", "F.dropout(h, P"):
+        [lineno] = [i for i, line in enumerate(lines, 1) if needle in line]
+        assert f"at checkpoint_dropout.py:{lineno}" in out
