@@ -568,27 +568,15 @@ def start(mode: Any) -> RankChecker | None:
     cfg = mode.config
     rank, world = dist.get_rank(), dist.get_world_size()
     timeout = timedelta(seconds=float(cfg.timeout))
+    # A bad group= fails here, the same way on every rank, before any group exists.
+    domain = resolve_group(cfg.group, rank, world, cfg.group if _is_mesh(cfg.group) else None)
     with torch._C._DisableTorchDispatch():
         world_side = dist.new_group(backend="gloo", timeout=timeout)
-        domain = resolve_group(cfg.group, rank, world, cfg.group if _is_mesh(cfg.group) else None)
-        # One start-up gather (O(world), once): every rank's group and settings, so that all ranks
-        # create the same side groups in the same order and refuse mismatched settings.
-        mine = [-1] * world
-        for r in domain or ():
-            mine[r] = 1
-        settings = [_text_hash(cfg.sync, cfg.expect, str(cfg.every)), *mine]
-        t = torch.tensor(settings, dtype=torch.int64)
-        out = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(out, t, group=world_side)
-        rows = [o.tolist() for o in out]
-        if len({r[0] for r in rows}) > 1:
+        try:
+            parts, t = _agree(world_side, cfg, domain, world)
+        except BaseException:
             dist.destroy_process_group(world_side)
-            raise ValueError(
-                "rngcheck needs the same sync, expect and every settings on every rank; the ranks "
-                "were started with different ones (check the RNGCHECK_* environment of each rank)"
-            )
-        parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
-        _check_disjoint(parts)
+            raise
         side = world_side
         if parts != [tuple(range(world))]:
             side = None
@@ -602,11 +590,32 @@ def start(mode: Any) -> RankChecker | None:
             "rngcheck: rank %d is outside group=%r; it is not checked across ranks", rank, cfg.group
         )
         return None
-    setup = ExchangeStats(setup_calls=1, setup_bytes=t.numel() * t.element_size())
     checker = RankChecker(mode, side, domain, rank, world)
-    checker.stats.setup_calls, checker.stats.setup_bytes = setup.setup_calls, setup.setup_bytes
+    checker.stats.setup_calls, checker.stats.setup_bytes = 1, t.numel() * t.element_size()
     checker._publish()
     return checker
+
+
+def _agree(
+    world_side: Any, cfg: Any, domain: tuple[int, ...] | None, world: int
+) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """One start-up gather (O(world), once): every rank's group and settings, so that all ranks
+    create the same side groups in the same order and refuse mismatched settings."""
+    mine = [-1] * world
+    for r in domain or ():
+        mine[r] = 1
+    t = torch.tensor([_text_hash(cfg.sync, cfg.expect, str(cfg.every)), *mine], dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t, group=world_side)
+    rows = [o.tolist() for o in out]
+    if len({r[0] for r in rows}) > 1:
+        raise ValueError(
+            "rngcheck needs the same sync, expect and every settings on every rank; the ranks "
+            "were started with different ones (check the RNGCHECK_* environment of each rank)"
+        )
+    parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
+    _check_disjoint(parts)
+    return parts, t
 
 
 def _check_disjoint(parts: list[tuple[int, ...]]) -> None:

@@ -248,6 +248,8 @@ def step_every(rank: int, world: int) -> dict[str, Any]:
 
 def subgroups(rank: int, world: int) -> dict[str, Any]:
     """Ranks 0,1 replicate a stream; ranks 2,3 must keep theirs apart."""
+    import torch.distributed as dist
+
     import rngcheck
 
     torch.manual_seed(0)
@@ -257,10 +259,14 @@ def subgroups(rank: int, world: int) -> dict[str, Any]:
         "collide": {0: 10, 1: 10, 2: 20, 3: 20},
         "diverge": {0: 10, 1: 11, 2: 21, 3: 22},
     }
+    # Every rank creates both process groups; the clean case passes them instead of rank lists.
+    pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for name, seeds in cases.items():
         with _mode(on_finding="warn") as mode:
             gen = torch.Generator().manual_seed(seeds[rank])
             policy, group = ("same", [0, 1]) if rank < 2 else ("differ", [2, 3])
+            if name == "clean":
+                group = pgs[rank // 2]
             with rngcheck.expect(policy, group=group):
                 line = _line()
                 torch.rand(4, generator=gen)
