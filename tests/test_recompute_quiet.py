@@ -304,3 +304,25 @@ def test_a_generator_made_and_seeded_inside_the_region(reentrant):
     _assert_quiet(
         run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
     )
+
+
+@REENTRANT
+def test_retain_graph_microbatches_and_autocast(reentrant):
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        return F.dropout(lin(x), 0.5)
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant)
+        y.sum().backward(retain_graph=True)  # two backwards, two recomputes
+        torch.rand(3)
+        y.sum().backward()
+        a = checkpoint(block, _input(), use_reentrant=reentrant)  # two microbatches,
+        b = checkpoint(block, _input(), use_reentrant=reentrant)  # one backward, b's first
+        (b.sum() + a.sum()).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c = checkpoint(block, _input(), use_reentrant=reentrant)
+        c.float().sum().backward()
+
+    _assert_quiet(run(step))
