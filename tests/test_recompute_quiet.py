@@ -326,3 +326,21 @@ def test_retain_graph_microbatches_and_autocast(reentrant):
         c.float().sum().backward()
 
     _assert_quiet(run(step))
+
+
+@REENTRANT
+def test_a_constant_reseed_inside_the_region(reentrant):
+    """Seeding with the same value in both passes replays the same numbers, even with
+    preserve_rng_state=False."""
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        torch.manual_seed(1234)
+        return F.dropout(lin(x), 0.5)
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant, preserve_rng_state=False)
+        torch.rand(3)
+        y.sum().backward()
+
+    _assert_quiet(run(step))
