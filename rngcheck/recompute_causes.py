@@ -123,9 +123,12 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
         )
     if differs == "output":
         return (
-            "same op, arguments and generator state, but a different output: the op's input "
-            "differs (a nondeterministic op earlier in the region) or the kernel does not draw "
-            "deterministically from its state."
+            "same op, arguments and generator state, but a different output, so the op's input "
+            "tensor differed: a tensor the region reads from outside its arguments (a global, "
+            "a buffer) was changed in place between forward and backward, or a nondeterministic "
+            "op earlier in the region fed it, or the kernel does not draw deterministically "
+            "from its state. Pass such tensors in as arguments, and change them only after "
+            "backward."
         )
     gen = r.generator
     cached = [e for e in region.recompute[:k] if e.cached and e.generator.key == gen.key]

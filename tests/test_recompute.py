@@ -502,3 +502,24 @@ def test_device_generator_only_inside_the_function_cause_without_a_device():
     assert "default cuda:0 is used only inside the checkpointed function" in finding.cause
     assert "tensor arguments' device (cpu) only" in finding.cause
     assert "Pass a cuda tensor as an argument" in finding.cause
+
+
+@REENTRANT
+def test_an_input_tensor_changed_in_place_before_backward(reentrant):
+    keep = torch.full((4, 16), 0.7)  # read from outside the region, not an argument
+
+    def block(x):
+        return x * torch.bernoulli(keep)  # <- bernoulli of a global
+
+    def step():
+        y = checkpoint(block, _input(), use_reentrant=reentrant)
+        keep.fill_(0.2)  # updated in place before backward
+        y.sum().backward()
+
+    assert_recompute_finding(
+        run(step),
+        op="aten.bernoulli.default",
+        differs="output",
+        at="bernoulli of a global",
+        cause=["same op, arguments and generator state, but a different output", "in place"],
+    )
