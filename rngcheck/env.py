@@ -367,6 +367,7 @@ class Activation:
             handle = register_optimizer_step_post_hook(self._after_step)
             self._restore.append(handle.remove)
             atexit.register(self.finish)
+            os.register_at_fork(after_in_child=self._in_forked_child)
             self._install_signal_handler()
             previous_hook = sys.excepthook
             sys.excepthook = self._excepthook
@@ -447,6 +448,24 @@ class Activation:
                 self.mode.report.save(path)
             except OSError as e:
                 log.warning("rngcheck could not save its report to %s: %s", path, e)
+
+    def _in_forked_child(self) -> None:
+        """A forked child (a DataLoader worker) inherits the checker mid-run: switch it off there.
+
+        Left on, the worker's random ops (augmentation) would be exchanged with the other ranks
+        from the wrong process and hang the job; its report would never be written anyway (workers
+        leave with os._exit). The parent goes on checking its own ops.
+        """
+        if self.exited:
+            return
+        self.exited = True
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+        from .mode import _Interceptor
+
+        stack = _get_current_dispatch_mode_stack()
+        if stack and isinstance(stack[-1], _Interceptor):
+            _pop_mode()
 
     def _install_signal_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():

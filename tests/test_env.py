@@ -300,3 +300,19 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     saved = [json.loads((buggy / f).read_text()) for f in files]
     assert all(d["findings"] for d in saved)
     assert cli_main(["show", str(buggy)]) == 1
+
+
+def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) -> None:
+    # Forked workers inherit the running checker; left on, their augmentation ops would be
+    # exchanged with the other ranks from the wrong process (sync="op": at once) and hang the job.
+    r = _torchrun(
+        2, "train_dataloader.py", RNGCHECK="1", RNGCHECK_SYNC="op", RNGCHECK_REPORT=str(tmp_path)
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("training finished") == 2
+    reports = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
+    assert all(rep.ok for rep in reports)
+    # Each rank checked its own random ops: the Linear's init, the loader's base seed per epoch
+    # and dropout (2 epochs x 8 batches); the workers' torch.rand ran unchecked.
+    expected = {"aten.uniform_.default": 2, "aten.random_.default": 2, "aten.bernoulli_.float": 16}
+    assert [rep.ops_by_name for rep in reports] == [expected, expected]
