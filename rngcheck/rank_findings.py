@@ -209,7 +209,8 @@ def _flow_finding(
                 "generator="
             )
         elif not ev.generator.is_default:
-            cause += f"; this advanced {ev.generator.label} on those ranks only"
+            short = ev.generator.label.split(" (")[0]  # "Generator #1": named in full above
+            cause += f"; this advanced {short} on those ranks only"
     else:
         cause = "the ranks ran different random ops here: " + "; ".join(
             f"{_ranks_word(s.ranks)} ran {s.event.op} at {s.event.site}"

@@ -275,6 +275,18 @@ def subgroups(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+def one_of_four(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode(on_finding="warn") as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rank == 2:
+            line = _line()
+            torch.randperm(8)  # a shuffle drawn on one rank of four
+        _train_step(model, opt)
+    return {**_summary(mode), "line": locals().get("line")}
+
+
 def rank_list_group(rank: int, world: int) -> dict[str, Any]:
     """group=[0, 1] on four ranks: ranks 0 and 1 are checked with each other, 2 and 3 not at all."""
     torch.manual_seed(rank if rank >= 2 else 0)  # ranks 2 and 3 differ: nobody asked them to agree
@@ -392,7 +404,7 @@ _TWO = [
     "step_every",
     "exit_vs_barrier",
 ]
-_FOUR = ["clean_training", "subgroups", "rank_list_group", "mesh_dims", "stage_dims"]
+_FOUR = ["clean_training", "one_of_four", "subgroups", "rank_list_group", "mesh_dims", "stage_dims"]
 
 
 @pytest.fixture(scope="module")
@@ -570,6 +582,20 @@ def test_subgroups_with_different_expectations(four: Any) -> None:
         assert f["site"] == _site(r["diverge"]["line"])
         assert "Generator #1" in f["cause"]
     _rendered_once({k: v["collide"] for k, v in results.items()}, 2)
+
+
+def test_one_rank_of_four_is_the_outlier(four: Any) -> None:
+    results = four["one_of_four"]
+    line = results[2]["line"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1, 2, 3]
+        assert f["op"] == "aten.randperm.default" and f["site"] == _site(line)
+        majority, outliers = f["sides"]
+        assert majority["label"] == "majority" and majority["ranks"] == [0, 1, 3]
+        assert outliers["label"] == "outliers" and outliers["ranks"] == [2]
+    _rendered_once(results, 0)
+    assert "majority (ranks 0:2,3)" in results[0]["rendered"]
 
 
 def test_mode_group_as_a_rank_list(four: Any) -> None:
