@@ -39,6 +39,11 @@ _INTERNAL_PARTS = (
 )
 
 
+# A user's own dispatch or function mode sits between their line and the op: its hook is the
+# plumbing, not the line a report should point at.
+_MODE_HOOKS = frozenset({"__torch_dispatch__", "__torch_function__"})
+
+
 def is_internal_file(filename: str) -> bool:
     """Whether a frame in ``filename`` belongs to torch, rngcheck, the stdlib or a test runner."""
     if filename.startswith("<"):
@@ -116,7 +121,7 @@ class Stack:
                     lineno=fs.lineno or 0,
                     name=fs.name,
                     line=(fs.line or linecache.getline(fs.filename, fs.lineno or 0)).strip(),
-                    user=not is_internal_file(fs.filename),
+                    user=not is_internal_file(fs.filename) and fs.name not in _MODE_HOOKS,
                 )
                 for fs in summary
             )
