@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .common import (
+    CLOCKS,
     MODES,
     Budget,
     Timings,
@@ -32,7 +33,15 @@ from .common import (
     markdown_table,
 )
 
-__all__ = ["budgets", "exchange_table", "main", "run", "section", "timing_table"]
+__all__ = [
+    "budgets",
+    "exchange_table",
+    "main",
+    "payload_check",
+    "run",
+    "section",
+    "timing_table",
+]
 
 RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op")
 _RNGCHECK_MODES = ("rngcheck", "rngcheck-op")
@@ -108,7 +117,7 @@ def _worker(rank: int, world: int, init_file: str, config: dict[str, Any], out_d
                     steps=config["steps"],
                     barrier=dist.barrier,
                 )
-                result["timing"][d] = {"steps": t.steps, "rounds": t.rounds}
+                result["timing"][d] = t.samples
         if not result["note"]:
             result["exchange"] = {s: _exchange(config["exchange_steps"], s) for s in ("step", "op")}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -153,40 +162,40 @@ def run(
 
 
 def _timings(result: dict[str, Any]) -> dict[int, Timings]:
-    return {int(d): Timings(v["steps"], v["rounds"]) for d, v in result["timing"].items()}
+    return {int(d): Timings(v) for d, v in result["timing"].items()}
 
 
 def budgets(result: dict[str, Any]) -> list[Budget]:
-    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x; and the
-    no-divergence exchange sends as many bytes per collective at every world size."""
+    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x."""
     out = []
     for d, t in _timings(result).items():
         for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
-            if name in t.steps:
-                label = MODES[name].label
-                out.append(
-                    Budget(f"2 ranks, d={d}: {label} / no-op mode", t.ratio(name, "noop"), limit)
-                )
-    per_call = {
-        (w, sync): e["bytes_per_call"]
-        for w, per_sync in result.get("exchange", {}).items()
-        for sync, e in (per_sync or {}).items()
-        if "bytes_per_call" in e
-    }
-    worlds = sorted({int(w) for w, _ in per_call})
-    if len(worlds) > 1:
-        for sync in ("step", "op"):
-            sizes = [v for (w, s), v in per_call.items() if s == sync]
-            if sizes:
+            if name in t.modes:
                 out.append(
                     Budget(
-                        f'sync="{sync}": bytes per collective, largest / smallest over '
-                        f"{', '.join(map(str, worlds))} ranks",
-                        max(sizes) / min(sizes),
-                        1.0,
+                        f"2 ranks, d={d}: {MODES[name].label} / no-op mode",
+                        {c: t.ratio(name, "noop", c) for c in CLOCKS},
+                        limit,
                     )
                 )
     return out
+
+
+def payload_check(result: dict[str, Any]) -> str:
+    """Whether a no-divergence collective carries the same bytes at every world size measured."""
+    lines = []
+    for sync in ("step", "op"):
+        sizes = {
+            int(w): per_sync[sync]["bytes_per_call"]
+            for w, per_sync in result.get("exchange", {}).items()
+            if per_sync and "bytes_per_call" in per_sync.get(sync, {})
+        }
+        if len(sizes) > 1:
+            same = len(set(sizes.values())) == 1
+            shown = ", ".join(f"{b:.0f} at {w} ranks" for w, b in sorted(sizes.items()))
+            verdict = "independent of world size: met" if same else "grows with world size: NOT met"
+            lines.append(f'- sync="{sync}": bytes per collective {shown}; {verdict}.')
+    return "\n".join(lines)
 
 
 def timing_table(result: dict[str, Any]) -> str:
@@ -194,12 +203,17 @@ def timing_table(result: dict[str, Any]) -> str:
     sizes = sorted(timing)
     header = ["mode (2 ranks, DDP over gloo)"]
     for d in sizes:
-        header += [f"d={d} step (ms)", f"d={d} vs noop"]
+        header += [f"d={d} ms", f"d={d} / noop", f"d={d} / noop (CPU)"]
     rows = []
-    for name in timing[sizes[0]].steps:
+    for name in timing[sizes[0]].modes:
         row = [MODES[name].label]
         for d in sizes:
-            row += [f"{timing[d].median(name) * 1e3:.2f}", f"{timing[d].ratio(name, 'noop'):.2f}x"]
+            t = timing[d]
+            row += [
+                f"{t.median(name) * 1e3:.2f}",
+                f"{t.ratio(name, 'noop'):.2f}x",
+                f"{t.ratio(name, 'noop', 'cpu'):.2f}x",
+            ]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -252,6 +266,9 @@ def section(quick: bool) -> tuple[str, dict[str, Any]]:
     parts += [timing_table(result), budget_table(budgets(result))]
     if not result["note"]:
         parts += ["### The exchange per training step, no divergence", exchange_table(result)]
+        check = payload_check(result)
+        if check:
+            parts.append(check)
     return "\n\n".join(parts), result
 
 

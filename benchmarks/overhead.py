@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .common import (
+    CLOCKS,
     MODES,
     Budget,
     Timings,
@@ -40,21 +41,21 @@ def run(
 
 
 def table(results: dict[int, Timings], base: str = "noop") -> str:
-    """Rows: modes; per width: median step time, ratio to ``base`` and to plain training."""
+    """Rows: modes; per width: median step time, ratio to ``base`` (wall and CPU), to plain."""
     sizes = list(results)
-    names = list(next(iter(results.values())).steps)
     header = ["mode"]
     for d in sizes:
-        header += [f"d={d} step (ms)", f"d={d} vs {base}", f"d={d} vs plain"]
+        header += [f"d={d} ms", f"d={d} / {base}", f"d={d} / {base} (CPU)", f"d={d} / plain"]
     rows = []
-    for name in names:
-        row = [MODES[name].label or name]
+    for name in results[sizes[0]].modes:
+        row = [MODES[name].label]
         for d in sizes:
             t = results[d]
             row += [
                 f"{t.median(name) * 1e3:.2f}",
                 f"{t.ratio(name, base):.2f}x",
-                f"{t.ratio(name, 'plain'):.2f}x" if "plain" in t.steps else "",
+                f"{t.ratio(name, base, 'cpu'):.2f}x",
+                f"{t.ratio(name, 'plain'):.2f}x" if "plain" in t.modes else "",
             ]
         rows.append(row)
     return markdown_table(header, rows)
@@ -65,20 +66,20 @@ def budgets(results: dict[int, Timings]) -> list[Budget]:
     DebugMode's extra time over plain training."""
     out = []
     for d, t in results.items():
-        if {"rngcheck", "noop"} <= t.steps.keys():
-            out.append(
-                Budget(f"d={d}: rngcheck defaults / no-op mode", t.ratio("rngcheck", "noop"), 1.10)
-            )
-        if {"rngcheck", "debugmode", "plain"} <= t.steps.keys():
-            ours = t.ratio("rngcheck", "plain") - 1
-            theirs = t.ratio("debugmode", "plain") - 1
+        if {"rngcheck", "noop"} <= set(t.modes):
             out.append(
                 Budget(
-                    f"d={d}: rngcheck extra time / DebugMode-with-hashes extra time",
-                    ours / theirs,
-                    0.5,
+                    f"d={d}: rngcheck defaults / no-op mode",
+                    {c: t.ratio("rngcheck", "noop", c) for c in CLOCKS},
+                    1.10,
                 )
             )
+        if {"rngcheck", "debugmode", "plain"} <= set(t.modes):
+            extra = {
+                c: (t.ratio("rngcheck", "plain", c) - 1) / (t.ratio("debugmode", "plain", c) - 1)
+                for c in CLOCKS
+            }
+            out.append(Budget(f"d={d}: extra time, rngcheck / DebugMode with hashes", extra, 0.5))
     return out
 
 
@@ -86,12 +87,14 @@ def to_json(results: dict[int, Timings]) -> dict[str, Any]:
     return {
         str(d): {
             name: {
-                "median_s": t.median(name),
-                "vs_noop": t.ratio(name, "noop") if "noop" in t.steps else None,
-                "vs_plain": t.ratio(name, "plain") if "plain" in t.steps else None,
-                "samples": len(t.steps[name]),
+                **{f"median_{c}_s": t.median(name, c) for c in CLOCKS},
+                **{f"vs_noop_{c}": t.ratio(name, "noop", c) for c in CLOCKS if "noop" in t.modes},
+                **{
+                    f"vs_plain_{c}": t.ratio(name, "plain", c) for c in CLOCKS if "plain" in t.modes
+                },
+                "samples": t.samples["wall"][name],
             }
-            for name in t.steps
+            for name in t.modes
         }
         for d, t in results.items()
     }
