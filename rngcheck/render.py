@@ -33,7 +33,11 @@ def _side_label(side: Side) -> str:
     return side.label
 
 
+_ROWS = ("op", "generator", "arguments", "state before", "output", "call site")
+
+
 def _event_cells(e: RandomOpEvent | None, note: str) -> list[str]:
+    """One side's column: a value per row of ``_ROWS``."""
     if e is None:
         return [note or "-", "", "", "", "", ""]
     output = e.output_digest
@@ -46,6 +50,21 @@ def _event_cells(e: RandomOpEvent | None, note: str) -> list[str]:
         _hex(output) if output is not None else "-",
         e.site,
     ]
+
+
+def _sides_table(sides: tuple[Side, ...]) -> Table:
+    """Sides as columns, fields as rows: two or three sides stay readable in a narrow terminal."""
+    table = Table(show_header=True, header_style="bold", expand=False, pad_edge=False)
+    table.add_column("", style="bold", no_wrap=True)
+    for side in sides:
+        table.add_column(_side_label(side), overflow="fold")
+    columns = [_event_cells(side.event, side.note) for side in sides]
+    for i, row in enumerate(_ROWS):
+        values = [col[i] for col in columns]
+        if row == "output" and all(v in ("-", "") for v in values):
+            continue  # digests of outputs exist only inside checkpoint regions
+        table.add_row(row, *values)
+    return table
 
 
 def _caption(side_label: str, e: RandomOpEvent | None, op: str) -> str:
@@ -80,12 +99,7 @@ def render_finding(finding: Finding) -> RenderableType:
     if finding.cause:
         parts.append(Text.assemble(("Likely cause: ", "bold yellow"), finding.cause))
     if finding.sides:
-        table = Table(show_header=True, header_style="bold", expand=False, pad_edge=False)
-        for col in ("side", "op", "generator", "arguments", "state before", "output", "call site"):
-            table.add_column(col, overflow="fold", no_wrap=col in ("op", "state before", "output"))
-        for side in finding.sides:
-            table.add_row(_side_label(side), *_event_cells(side.event, side.note))
-        parts.append(table)
+        parts.append(_sides_table(finding.sides))
     stacks: list[tuple[str, Stack, RandomOpEvent | None]] = [
         (_side_label(s), s.stack, s.event) for s in finding.sides if s.event is not None
     ] or [("call site", finding.stack, None)]

@@ -129,8 +129,8 @@ def test_rich_rendering_has_panel_table_and_traceback_with_the_user_line():
     text = out.getvalue()
     assert "rngcheck: checkpoint recompute drew different random numbers" in text
     assert "Likely cause:" in text
-    for header in ("side", "generator", "state before", "call site"):
-        assert header in text
+    for row in ("op", "generator", "arguments", "state before", "output", "call site"):
+        assert row in text
     assert "forward" in text and "recompute" in text
     assert f"{THIS}:{_line('# the-random-op')}" in text
     assert "(torch.rand(x.shape, generator=gen) > 0.5)" in text  # the source line, from rich
