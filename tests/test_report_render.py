@@ -75,7 +75,7 @@ def test_raise_renders_then_raises_the_kind_specific_error():
     assert "Likely cause:" in str(err)
     text = out.getvalue()
     assert "checkpoint recompute drew different random numbers" in text
-    assert f"{THIS}\", line {_line('# the-random-op')}" in text
+    assert f'{THIS}", line {_line("# the-random-op")}' in text
 
 
 def test_warn_warns_once_per_call_site_at_the_user_line():
