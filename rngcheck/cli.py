@@ -189,6 +189,14 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             else "1 report"
         )
         _print(console, f"rngcheck: {what}, {ops} random op(s) checked, {status}")
+        ended = {}
+        for rank, r in sorted(run.reports.items()):
+            how = str(r.meta.get("ended_by", ""))
+            if how and how not in ("exit", "destroy_process_group()"):
+                ended.setdefault(how, []).append(rank)
+        for how, ranks_ in ended.items():
+            who = f"rank(s) {format_ranks(ranks_)}" if run.world_size > 1 else "the run"
+            _print(console, f"rngcheck: {who} ended by {how}")
         if run.missing:
             _print(
                 console,

@@ -373,7 +373,7 @@ class Activation:
             sys.excepthook = self._excepthook
             self._restore.append(lambda: setattr(sys, "excepthook", previous_hook))
         except BaseException:
-            self._exit(*sys.exc_info())
+            self._exit(*sys.exc_info(), "rngcheck failed to start")
             raise
         os.environ[_OWNER_VAR] = str(os.getpid())
         return self
@@ -401,7 +401,7 @@ class Activation:
             # The last exchange needs the group: end the checking before the group goes away.
             if group is None or group is distributed_c10d.GroupMember.WORLD:
                 try:
-                    self.stop()
+                    self.stop("destroy_process_group()")
                 finally:
                     return original_destroy(group)  # noqa: B012 - a finding still frees the group
             return original_destroy(group)
@@ -515,16 +515,17 @@ class Activation:
             return True
         return self.mode.report.rank == min(finding.ranks)
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stop()") -> None:
         """End the checking now: final exchange, report and trace written. Raises a finding's
         error if the final exchange finds one and on_finding is "raise"."""
-        self._exit(None, None, None)
+        self._exit(None, None, None, reason)
 
-    def _exit(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def _exit(self, exc_type: Any, exc: Any, tb: Any, reason: str) -> None:
         with self._lock:
             if self.exited:
                 return
             self.exited = True
+        self.mode.report.meta.setdefault("ended_by", reason)  # what `rngcheck show` tells
         try:
             self.mode.__exit__(exc_type, exc, tb)
         finally:
@@ -540,11 +541,15 @@ class Activation:
         failed = False
         try:
             if exc is not None:
-                self._exit(type(exc), exc, exc.__traceback__)
+                reason = f"{type(exc).__name__}: {exc}"[:300]
+                if isinstance(exc, RNGCheckError):  # its message is the finding, shown anyway
+                    reason = f"{type(exc).__name__} at {exc.finding.site}"
+                self._exit(type(exc), exc, exc.__traceback__, reason)
             elif self.signal is not None:
-                self._exit(SystemExit, SystemExit(128 + self.signal), None)
+                stop = SystemExit(128 + self.signal)
+                self._exit(SystemExit, stop, None, signal.Signals(self.signal).name)
             else:
-                self._exit(None, None, None)
+                self._exit(None, None, None, "exit")
         except RNGCheckError:
             failed = True  # rendered by the mode; the exit status must say so
         except Exception as e:  # noqa: BLE001 - report the checker's own failure, keep the exit
