@@ -116,7 +116,8 @@ def _path(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
         raise EnvError(f"{name} is set but empty: use a directory or a file path, or unset it")
-    return os.path.expanduser(value)
+    # Absolute now: the script may chdir before the report is written at exit.
+    return os.path.abspath(os.path.expanduser(value))
 
 
 VARIABLES: dict[str, Variable] = {

@@ -151,7 +151,7 @@ def test_settings_map_to_the_mode_and_per_rank_files(tmp_path: Path) -> None:
     s = settings_from_env(
         {"RNGCHECK": "1", "RNGCHECK_REPORT": "out/r.json", "RANK": "1", "WORLD_SIZE": "2"}
     )
-    assert s.mode_kwargs["report_path"] == "out/r.rank1.json"
+    assert s.mode_kwargs["report_path"] == os.path.abspath("out/r.rank1.json")
 
 
 def test_every_variable_is_in_the_readme_table() -> None:
@@ -269,6 +269,24 @@ def test_torchrun_single_rank_binds_to_the_process_group(tmp_path: Path) -> None
 def _skip_until_ranks_land(r: subprocess.CompletedProcess[str]) -> None:
     if "cross-rank checking is not implemented yet" in r.stderr:
         pytest.skip("rngcheck.ranks does not check across ranks yet")
+
+
+def test_torchrun_two_ranks_record_renders_each_finding_once_at_exit(tmp_path: Path) -> None:
+    record = {"RNGCHECK_ON_FINDING": "record", "RNGCHECK_REPORT": str(tmp_path)}
+    r = _torchrun(2, "train_buggy.py", RNGCHECK="1", **record)
+    _skip_until_ranks_land(r)
+    assert r.returncode == 0, r.stderr[-3000:]  # record: the job runs to the end
+    assert r.stdout.count("training finished") == 2
+    reports = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
+    kinds = [sorted({f.kind.value for f in rep.findings}) for rep in reports]
+    assert kinds == [["rank_divergence", "recompute_mismatch"]] * 2
+    # A rank finding is the same on every rank and drawn once (by rank 0); a recompute mismatch
+    # is each rank's own and drawn by that rank.
+    assert r.stderr.count("RNG state diverged across ranks") == 1
+    own = sum(f.kind.value == "recompute_mismatch" for rep in reports for f in rep.findings)
+    assert r.stderr.count(RECOMPUTE_TITLE) == own
+    summary = f"rngcheck: {reports[0].random_ops} random op(s) checked on rank 0 of 2, "
+    assert r.stderr.count(summary) == 1  # one summary line, from rank 0
 
 
 def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
