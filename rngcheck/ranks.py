@@ -22,10 +22,12 @@ divergence from the gathered data is ``rank_findings.py``'s job.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -191,7 +193,9 @@ class RankChecker:
         self._rows: list[tuple[int, int, int, int, int]] = []
         self._round = 0
         self._stopped = False
+        self._finished = False
         self._busy = False
+        self._board = _Board(getattr(side, "group_name", "side"))
         self._lock = threading.RLock()  # random ops in backward may arrive on autograd threads
         self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
         self._seen_generators: set[str] = set()
@@ -257,12 +261,18 @@ class RankChecker:
         self._exchange(Point.CHECK, "mode.check()")
 
     def finish(self) -> None:
+        self._finished = True
         self._exchange(Point.EXIT, "")
 
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if not (self._finished or self._stopped):
+            # Leaving early (an exception in the block): tell the ranks that will wait for us.
+            exc = sys.exc_info()[1]
+            why = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception seen"
+            self._board.post_left(self.rank, why[:300])
         self._stopped = True
         self._pending.clear()
         self._rows.clear()
@@ -474,13 +484,29 @@ class RankChecker:
         """A rank did not arrive in time: find out which through the store, and say so."""
         stack = Stack.capture(skip=3)
         here = point_text(point, where, stack)
-        arrived = _arrivals(self._side, self._round, self.rank, self._domain, self._cfg.timeout)
+        arrived = self._board.arrivals(
+            self._round, self.rank, self._domain, min(5.0, self._cfg.timeout)
+        )
         missing = tuple(r for r in self._domain if r not in arrived)
         late = not missing  # everyone else also gave up here: this rank is the one that came late
         if late:
             missing = (self.rank,)
             arrived = tuple(r for r in self._domain if r != self.rank)
         last = self._pending[-1] if self._pending else None
+        left = self._board.left(missing)
+        cause = (
+            "the missing rank(s) stopped running the code the others run: an early return "
+            "or exception on that rank, a hang, a crash, or a different number of optimizer "
+            "steps or collectives"
+        )
+        if left:
+            cause = "; ".join(
+                f"rank {r} left the checked block early ({why})" for r, why in sorted(left.items())
+            )
+        cause += (
+            ". rngcheck stopped exchanging so the program does not hang on it "
+            f"({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+        )
         message = (
             f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{self._round} within "
             f"{self._cfg.timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
@@ -494,12 +520,7 @@ class RankChecker:
             kind=FindingKind.RANK_MISSING,
             message=message,
             op=last.op if last is not None else "",
-            cause=(
-                "the missing rank(s) stopped running the code the others run: an early return "
-                "or exception on that rank, a hang, a crash, or a different number of optimizer "
-                "steps or collectives. rngcheck stopped exchanging so the program does not hang "
-                f"on it ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
-            ),
+            cause=cause,
             differs="arrival",
             ranks=missing,
             stack=stack,
@@ -533,24 +554,54 @@ def _bucket_clash(buckets: torch.Tensor) -> bool:
     return False
 
 
-def _arrivals(side: Any, round_: int, rank: int, domain: tuple[int, ...], timeout: float) -> tuple:
-    """The ranks that reached exchange ``round_`` (they post a key when their wait fails)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
+class _Board:
+    """Notes on the c10d store, written and read only after an exchange failed or a rank left
+    early (never on the fast path): who reached the failed exchange, and why a rank left."""
 
-        store = _get_default_store()
-        prefix = f"rngcheck/{side.group_name}/{round_}/"
-        store.set(prefix + str(rank), "1")
-        deadline = time.monotonic() + min(5.0, timeout)
-        keys = [prefix + str(r) for r in domain]
-        while True:
-            here = tuple(r for r, k in zip(domain, keys, strict=True) if store.check([k]))
-            if len(here) == len(domain) or time.monotonic() > deadline:
-                return here
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - no store to ask: only this rank is known to be here
-        log.debug("rngcheck could not read arrivals from the store", exc_info=True)
-        return (rank,)
+    def __init__(self, name: str) -> None:
+        self._prefix = f"rngcheck/{name}/"
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store: Any = _get_default_store()
+        except Exception:  # noqa: BLE001 - no store: findings just say less
+            log.debug("rngcheck has no c10d store to leave notes on", exc_info=True)
+            self._store = None
+
+    def arrivals(self, round_: int, rank: int, domain: tuple[int, ...], wait: float) -> tuple:
+        """The ranks that reached exchange ``round_`` (each posts a key when its wait fails)."""
+        if self._store is None:
+            return (rank,)
+        keys = [f"{self._prefix}{round_}/{r}" for r in domain]
+        try:
+            self._store.set(keys[domain.index(rank)], "1")
+            deadline = time.monotonic() + wait
+            while True:
+                here = tuple(r for r, k in zip(domain, keys, strict=True) if self._store.check([k]))
+                gone = self.left([r for r in domain if r not in here])  # they will not come
+                if len(here) + len(gone) == len(domain) or time.monotonic() > deadline:
+                    return here
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store's host may be gone too
+            log.debug("rngcheck could not read arrivals from the store", exc_info=True)
+            return (rank,)
+
+    def post_left(self, rank: int, reason: str) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.set(f"{self._prefix}left/{rank}", reason)
+
+    def left(self, ranks: Sequence[int]) -> dict[int, str]:
+        """Why each of ``ranks`` left the checked block early, where it said so."""
+        out: dict[int, str] = {}
+        if self._store is None:
+            return out
+        for r in ranks:
+            key = f"{self._prefix}left/{r}"
+            with contextlib.suppress(Exception):
+                if self._store.check([key]):
+                    out[r] = self._store.get(key).decode(errors="replace")
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -364,6 +364,26 @@ def exit_vs_barrier(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode, error)
 
 
+def rank_raises(rank: int, world: int) -> dict[str, Any]:
+    import time
+
+    torch.manual_seed(0)
+    mode = _mode(timeout=5.0, on_finding="warn")
+    start = time.monotonic()
+    try:
+        with mode:
+            model = _model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                if rank == 1 and step == 1:
+                    raise RuntimeError("rank 1 crashed")  # leaves the block; rank 0 steps on
+                model(torch.ones(2, 8)).sum().backward()
+                opt.step()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {**_summary(mode), "waited": time.monotonic() - start}
+
+
 def rank_stops(rank: int, world: int) -> dict[str, Any]:
     import time
 
@@ -641,7 +661,15 @@ def test_ranks_that_reach_different_exchange_points(two: Any) -> None:
 def test_a_rank_that_stops_reaching_the_exchange(tmp_path: Any) -> None:
     from _dist import run_scenarios
 
-    run = run_scenarios(_HERE, ["rank_stops"], world_size=2, out_dir=tmp_path, timeout=120)
+    names = ["rank_raises", "rank_stops"]
+    run = run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path, timeout=120)
+    # A rank that leaves with an exception says why, and the others need not wait long.
+    r0, r1 = run["rank_raises"][0], run["rank_raises"][1]
+    assert r1 == {"error": "rank 1 crashed"}
+    f = _only(r0)
+    assert f["kind"] == "rank_missing" and f["ranks"] == [1]
+    assert "rank 1 left the checked block early (RuntimeError: rank 1 crashed)" in f["cause"]
+    # A rank that hangs: the others report it after the timeout instead of hanging too.
     r0, r1 = run["rank_stops"][0], run["rank_stops"][1]
     assert r1 == {"error": "rank 1 gave up"}
     f = _only(r0)
