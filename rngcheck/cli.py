@@ -27,8 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
+from rich.traceback import Frame as RichFrame
+from rich.traceback import Stack as RichStack
+from rich.traceback import Trace, Traceback
 
 __all__ = ["main"]
 
@@ -242,11 +247,14 @@ def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> i
         _print(console, f"rngcheck diff: the {what} are the same ({compared} random op(s))")
         return EXIT_OK
     d = divergence
-    lines = [
+    headline = (
         f"rngcheck diff: the {what} diverge at random op #{d.index} "
-        f"({d.index} op(s) agree before it); first difference: {d.differs}",
-        f"  {d.explanation}",
-    ]
+        f"({d.index} op(s) agree before it); first difference: {d.differs}"
+    )
+    if console.is_terminal:
+        console.print(_diff_panel(d, headline, a_path, b_path))
+        return EXIT_FOUND
+    lines = [headline, f"  {d.explanation}"]
     if d.agreed:
         lines.append(f"  last op both ran: {_op_line(d.agreed[-1])}")
     for label, path, op in (("A", a_path, d.a), ("B", b_path, d.b)):
@@ -256,6 +264,35 @@ def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> i
             lines.extend(_frames_text(op, label))
     _print(console, "\n".join(lines))
     return EXIT_FOUND
+
+
+def _diff_panel(d: Any, headline: str, a_path: str, b_path: str) -> Panel:
+    """The terminal rendering: the explanation, a table of both sides, and both call stacks."""
+    table = Table(show_header=True, header_style="bold", pad_edge=False)
+    for col in ("", "op", "generator", "arguments", "phase", "state before", "call site"):
+        table.add_column(col, overflow="fold")
+
+    def row(label: str, op: Any) -> None:
+        if op is None:
+            table.add_row(label, "(ended here)", "", "", "", "", "")
+            return
+        state = "served from cache" if op.cached else (op.before or "-")
+        table.add_row(label, op.op, op.generator, ", ".join(op.args), op.phase, state, op.site)
+
+    if d.agreed:
+        row("last both ran", d.agreed[-1])
+    row(f"A {a_path}", d.a)
+    row(f"B {b_path}", d.b)
+    parts: list[Any] = [Text(d.explanation, style="bold"), table]
+    for label, op in (("A", d.a), ("B", d.b)):
+        if op is not None and op.frames:
+            frames = [
+                RichFrame(filename=f.filename, lineno=f.lineno, name=f.name, line=f.line)
+                for f in op.frames[-6:]
+            ]
+            stack = RichStack(exc_type=label, exc_value=op.call, frames=frames)
+            parts.append(Traceback(trace=Trace(stacks=[stack]), extra_lines=1, width=100))
+    return Panel(Group(*parts), title=headline, title_align="left", border_style="red")
 
 
 # -- entry point -----------------------------------------------------------------------------------

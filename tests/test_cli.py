@@ -251,3 +251,26 @@ def test_plain_tensors_and_dtensor_draw_the_same_numbers(tmp_path: Path) -> None
         0,
         "rngcheck diff: the random-op streams are the same (3 random op(s))\n",
     )
+
+
+def test_on_a_terminal_show_and_diff_draw_panels_with_both_stacks(tmp_path: Path) -> None:
+    def tty(*args: str) -> tuple[int, str]:
+        buf = io.StringIO()
+        console = Console(file=buf, force_terminal=True, color_system=None, width=160)
+        return main(list(args), console=console), buf.getvalue()
+
+    _save_report(tmp_path / "r.json", _buggy_step)
+    code, out = tty("show", str(tmp_path / "r.json"))
+    assert code == 1
+    assert f"╭─ rngcheck: {TITLE}" in out  # a rich panel
+    assert "random ops around it" in out
+
+    a = _save_trace(tmp_path / "before.jsonl")
+    b = _save_trace(tmp_path / "after.jsonl", extra_at=2)
+    code, out = tty("diff", str(a), str(b))
+    assert code == 1
+    assert "rngcheck diff: the random-op streams diverge at random op #2" in out
+    assert "A: aten.bernoulli_.float(float32[4, 4], p=0.9)" in out  # A's traceback caption
+    assert "B: aten.rand.default(size=[3], device=cpu)" in out
+    assert "torch.rand(3)  # the refactor" in out  # B's source line, in its traceback
+    assert "last both ran" in out
