@@ -166,10 +166,7 @@ class RNGConsistencyMode:
             self._entered = True
             _ACTIVE = self
         try:
-            if "torch_xla" in sys.modules:  # never import torch_xla here: it starts a runtime
-                from . import _xla  # registers the XLA seed's adapter and seeding APIs once
-
-                self._xla = _xla.install()
+            self._load_xla()
             self._seeds.install()
             if self.config.check_recompute:
                 self.recompute_tracker = RecomputeTracker(self._emit)
@@ -217,6 +214,17 @@ class RNGConsistencyMode:
                 if _ACTIVE is self:
                     _ACTIVE = None
                 self._entered = False
+
+    def _load_xla(self) -> bool:
+        """Load the torch_xla support once torch_xla is imported: at ``__enter__``, or at the first
+        XLA random op when the mode started first (``RNGCHECK=1`` starts it before any import).
+        Never imports torch_xla itself: that starts an XLA runtime."""
+        if self._xla is None and "torch_xla" in sys.modules:
+            from . import _xla  # registers the XLA seed's adapter and seeding APIs once
+
+            self._xla = _xla.install()
+            self._seeds.install()  # watch the XLA seeding APIs too (installs only the new ones)
+        return self._xla is not None
 
     def _start_ranks(self) -> Any:
         if self.config.sync == "off":
@@ -341,6 +349,8 @@ class RNGConsistencyMode:
             if gen_arg is not None
             else registry.default(device)
         )
+        if tracked is None and device.type == "xla" and self._load_xla():
+            tracked = registry.default(device)  # torch_xla was imported after the mode started
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
         digest = tracked.adapter.digest

@@ -112,8 +112,8 @@ class SeedCallLog:
             if module is None:
                 continue
             original = getattr(module, target.name, None)
-            if original is None:
-                continue
+            if original is None or hasattr(original, "__rngcheck_original__"):
+                continue  # absent, or already watched (install runs again for late additions)
             self._saved.append((module, target.name, original))
             setattr(module, target.name, self._wrap(original, target))
 

@@ -224,6 +224,33 @@ def test_mode_restores_torch_xla_on_exit(device):
     assert xm.set_rng_state is set_rng_state and torch_xla.sync is sync
 
 
+def test_torch_xla_imported_after_the_mode_started():
+    """RNGCHECK=1 starts the mode before the script imports torch_xla: the support loads at the
+    first XLA random op, with the seeding APIs and the checkpoint from then on."""
+    code = (
+        "import torch, rngcheck\n"
+        "with rngcheck.RNGConsistencyMode(on_finding='record') as mode:\n"
+        "    import torch_xla, torch_xla.core.xla_model as xm\n"
+        "    import torch_xla.utils.checkpoint as xc\n"
+        "    d = torch_xla.device()\n"
+        "    x = torch.ones(8, 8, device=d, requires_grad=True)\n"
+        "    torch.nn.functional.dropout(x, 0.5)\n"
+        "    xm.set_rng_state(3, d)\n"
+        "    f = lambda t: torch.nn.functional.dropout(t * 2, 0.5)\n"
+        "    xc.checkpoint(f, x, preserve_rng_state=False).sum().backward()\n"
+        "calls = [c.api for c in mode.events[1].out_of_band.user_calls]\n"
+        "print(mode.report.ops_by_generator, [f.kind.value for f in mode.report.findings], calls)\n"
+    )
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == (
+        "{'default xla:0': 3} ['recompute_mismatch'] ['torch_xla.core.xla_model.set_rng_state']"
+    )
+
+
 def test_mode_never_imports_torch_xla():
     """With torch_xla installed but not imported, a mode must not import it (nor start XLA)."""
     code = (
