@@ -50,11 +50,8 @@ __all__ = ["ExchangeStats", "RankChecker", "exchange_stats", "op_mesh", "start"]
 
 log = logging.getLogger(__name__)
 
-_SLOTS = 8  # hashed stream slots in the fast-path vector
-_HEADER = 7  # round, -round, point, -point, structure, -structure, differ flag
-_DIFFER_WORDS = 256  # 1024 buckets of 16-bit counts packed four to an int64
+_HEADER = 9  # (x, -x) for round, point, structure and the group-wide stream; a parts flag
 _MASK62 = (1 << 62) - 1
-_ABSENT = -(1 << 63)  # MAX-neutral: a rank without a stream in a slot
 _ROW = 5  # structure, stream, before, after, policy
 _POLICY_CODE = {"same": 1, "differ": 2}
 _MAX_GROUPS = 256  # resolved group specs kept
@@ -196,6 +193,11 @@ class RankChecker:
         self._finished = False
         self._busy = False
         self._board = _Board(getattr(side, "group_name", "side"))
+        # The group-wide "same" stream rides in the fast vector; streams over parts of the group
+        # ("differ" ones, expect(group=...), sub-mesh DTensors) go through small gloo groups.
+        self._whole_stream = _text_hash("same", ",".join(map(str, domain)))
+        self._stream_members: dict[int, tuple[int, ...]] = {}
+        self._subgroups: dict[tuple[int, ...], Any] = {}
         self._lock = threading.RLock()  # random ops in backward may arrive on autograd threads
         self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
         self._seen_generators: set[str] = set()
@@ -229,6 +231,8 @@ class RankChecker:
         members = self._members(spec, mesh)
         policy = event.expect if event.expect in _POLICY_CODE else "same"
         stream = _text_hash(policy, ",".join(map(str, members))) if members else 0
+        if members:
+            self._stream_members[stream] = members
         # Each rank drives its own device (cuda:0 on rank 0, cuda:1 on rank 1): compare by type.
         ident = event.generator
         gen = f"{ident.kind}#{ident.number}:{ident.device.split(':')[0]}"
@@ -276,6 +280,7 @@ class RankChecker:
         self._stopped = True
         self._pending.clear()
         self._rows.clear()
+        self._subgroups.clear()  # gloo closes their connections when they are freed
         side, self._side = self._side, None
         if side is not None:
             try:
@@ -369,13 +374,18 @@ class RankChecker:
         self._round += 1
         self.stats.exchanges += 1
         rows, events = self._rows, self._pending
-        vec, differ = self._fast_vector(point, rows)
+        vec, parts = self._fast_vector(point, rows)
         try:
             self._all_reduce("fast", vec, dist.ReduceOp.MAX)
             mismatch = _mismatched(vec)
-            if int(vec[6]) > 0:  # some rank has expect("differ") ops in this window
-                self._all_reduce("fast", differ, dist.ReduceOp.SUM)
-                mismatch = mismatch or _bucket_clash(differ)
+            if not mismatch and int(vec[_HEADER - 1]) > 0:
+                # Streams over parts of the group: each checked on its own small gloo group (the
+                # structure digest above guarantees every member has the same streams), then
+                # one flag so that the whole group agrees on whether to gather.
+                local = self._partition_rounds(parts)
+                flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+                self._all_reduce("fast", flag, dist.ReduceOp.MAX)
+                mismatch = bool(flag[0])
             if not mismatch:
                 self._clear()
                 return None
@@ -390,22 +400,19 @@ class RankChecker:
         self._pending = []
         self._first_use = set()
 
-    def _fast_vector(self, point: Point, rows: list[tuple[int, ...]]) -> tuple[torch.Tensor, Any]:
-        structure = _fold(r[0] for r in rows) if rows else 1
-        slots: dict[int, list[int]] = {}
-        differ: dict[int, list[tuple[int, ...]]] = {}
+    def _fast_vector(
+        self, point: Point, rows: list[tuple[int, ...]]
+    ) -> tuple[torch.Tensor, dict[int, list[tuple[int, ...]]]]:
+        """The group-wide vector, and this rank's streams over parts of the group."""
+        structure = _fold(r[0] for r in rows)
+        whole: list[tuple[int, ...]] = []
+        parts: dict[int, list[tuple[int, ...]]] = {}
         for r in rows:
-            if r[1] == 0:
-                continue
-            (differ if r[4] == 2 else slots).setdefault(r[1], []).append(r)  # type: ignore[arg-type]
-        values = [_ABSENT] * (2 * _SLOTS)
-        by_slot: dict[int, list[int]] = {}
-        for stream, srows in slots.items():
-            x = _fold([stream, *(v for r in srows for v in (r[0], r[2], r[3]))])
-            by_slot.setdefault(stream % _SLOTS, []).append(x)
-        for slot, xs in by_slot.items():
-            x = _fold(sorted(xs)) if len(xs) > 1 else xs[0]
-            values[2 * slot], values[2 * slot + 1] = x, -x
+            if r[1] == self._whole_stream:
+                whole.append(r)
+            elif r[1]:
+                parts.setdefault(r[1], []).append(r)
+        x = _fold(v for r in whole for v in (r[0], r[2], r[3]))
         vec = torch.tensor(
             [
                 self._round,
@@ -414,18 +421,59 @@ class RankChecker:
                 -int(point),
                 structure,
                 -structure,
-                1 if differ else 0,
-                *values,
+                x,
+                -x,
+                1 if parts else 0,
             ],
             dtype=torch.int64,
         )
-        # "differ" streams: count ranks per (stream, states) bucket; two ranks of one group that
-        # share their states land in one bucket. Counts are 16 bits, four to an int64.
-        packed = [0] * _DIFFER_WORDS
-        for stream, srows in differ.items():
-            b = _fold([stream, *(v for r in srows for v in (r[0], r[2]))]) % (4 * _DIFFER_WORDS)
-            packed[b // 4] += 1 << (16 * (b % 4))
-        return vec, torch.tensor(packed, dtype=torch.int64)
+        return vec, parts
+
+    def _partition_rounds(self, parts: dict[int, list[tuple[int, ...]]]) -> bool:
+        """Check this rank's part-of-the-group streams, in the same (sorted) order on every rank
+        so that no two ranks wait for each other in opposite orders. True: one disagrees."""
+        bad = False
+        for stream in sorted(parts, key=lambda s: (self._stream_members[s], s)):
+            members = self._stream_members[stream]
+            srows = parts[stream]
+            pg = self._subgroup(members)
+            if srows[0][4] == _POLICY_CODE["differ"]:
+                mine = torch.tensor([_fold(v for r in srows for v in (r[0], r[2]))])
+                out = [torch.empty_like(mine) for _ in members]
+                self._count(mine)
+                _wait(lambda pg=pg, out=out, mine=mine: pg.allgather([out], [mine]))
+                values = [int(o) for o in out]
+                bad = bad or len(set(values)) < len(values)  # two ranks share their states
+            else:
+                x = _fold([stream, *(v for r in srows for v in (r[0], r[2], r[3]))])
+                t = torch.tensor([x, -x], dtype=torch.int64)
+                self._count(t)
+                _wait(lambda pg=pg, t=t: pg.allreduce([t], _max_options()))
+                bad = bad or int(t[0]) != -int(t[1])
+        return bad
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.stats.fast_calls += 1
+        self.stats.fast_bytes += t.numel() * t.element_size()
+
+    def _subgroup(self, members: tuple[int, ...]) -> Any:
+        """A gloo group over ``members`` made by them alone (rendezvous on the c10d store under
+        this checker's name), created the first time one of their streams is checked."""
+        pg = self._subgroups.get(members)
+        if pg is None:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            name = f"rngcheck/{self._board.name}/group/{'_'.join(map(str, members))}"
+            store = dist.PrefixStore(name, _get_default_store())
+            try:
+                pg = dist.ProcessGroupGloo(
+                    store, members.index(self.rank), len(members), self._timeout
+                )
+            except RuntimeError as e:
+                raise _PeerLost(e) from e
+            self._subgroups[members] = pg
+            self.stats.setup_calls += 1
+        return pg
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 
@@ -541,17 +589,20 @@ class _PeerLost(Exception):
 
 def _mismatched(vec: torch.Tensor) -> bool:
     v = vec.tolist()
-    if v[0] != -v[1] or v[2] != -v[3] or v[4] != -v[5]:
-        return True
-    return any(v[i] != _ABSENT and v[i] != -v[i + 1] for i in range(_HEADER, len(v), 2))
+    return any(v[i] != -v[i + 1] for i in range(0, _HEADER - 1, 2))
 
 
-def _bucket_clash(buckets: torch.Tensor) -> bool:
-    for word in buckets.tolist():
-        for k in range(4):
-            if (word >> (16 * k)) & 0xFFFF >= 2:
-                return True
-    return False
+def _wait(call: Any) -> None:
+    try:
+        call().wait()
+    except RuntimeError as e:
+        raise _PeerLost(e) from e
+
+
+def _max_options() -> Any:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    return opts
 
 
 class _Board:
@@ -559,6 +610,7 @@ class _Board:
     early (never on the fast path): who reached the failed exchange, and why a rank left."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._prefix = f"rngcheck/{name}/"
         try:
             from torch.distributed.distributed_c10d import _get_default_store

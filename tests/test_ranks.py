@@ -113,6 +113,23 @@ def clean_training_op_sync(rank: int, world: int) -> dict[str, Any]:
     return _clean("op", 2)
 
 
+def pair_streams(rank: int, world: int) -> dict[str, Any]:
+    """Streams over pairs of ranks (tensor-parallel style): checked on per-pair gloo groups, so
+    each rank's cost does not depend on how many pairs there are."""
+    import rngcheck
+
+    torch.manual_seed(0)
+    pair = [rank - rank % 2, rank - rank % 2 + 1]
+    tp = torch.Generator().manual_seed(100 + rank)  # must differ within the pair
+    with _mode() as mode:
+        for _ in range(3):
+            with rngcheck.expect("differ", group=pair):
+                torch.rand(4, generator=tp)
+            torch.nn.functional.dropout(torch.ones(8), 0.5)  # world-wide "same"
+            mode.check()
+    return _summary(mode)
+
+
 def rank_seed(rank: int, world: int) -> dict[str, Any]:
     with _mode() as mode:
         line = _line()
@@ -423,8 +440,17 @@ _TWO = [
     "op_sync_before_collective",
     "step_every",
     "exit_vs_barrier",
+    "pair_streams",
 ]
-_FOUR = ["clean_training", "one_of_four", "subgroups", "rank_list_group", "mesh_dims", "stage_dims"]
+_FOUR = [
+    "clean_training",
+    "pair_streams",
+    "one_of_four",
+    "subgroups",
+    "rank_list_group",
+    "mesh_dims",
+    "stage_dims",
+]
 
 
 @pytest.fixture(scope="module")
@@ -580,13 +606,15 @@ def test_op_sync_rank_at_a_collective_is_reported_not_hung(two: Any) -> None:
 
 
 def test_exchange_costs_the_same_at_world_size_two_and_four(two: Any, four: Any) -> None:
-    s2 = two["clean_training"][0]["stats"]
-    s4 = four["clean_training"][0]["stats"]
-    assert four["clean_training"][0]["ok"]
-    assert s2["exchanges"] == s4["exchanges"]
-    assert s2["fast_calls"] == s4["fast_calls"] and s2["fast_bytes"] == s4["fast_bytes"]
-    assert s2["slow_calls"] == s4["slow_calls"] == 0
-    print(f"world 2: {s2}\nworld 4: {s4}")
+    for name in ("clean_training", "pair_streams"):
+        s2 = two[name][0]["stats"]
+        for rank, r in four[name].items():
+            assert r["ok"], (name, rank, r["findings"])
+            s4 = r["stats"]
+            assert s2["exchanges"] == s4["exchanges"]
+            assert s2["fast_calls"] == s4["fast_calls"] and s2["fast_bytes"] == s4["fast_bytes"]
+            assert s2["slow_calls"] == s4["slow_calls"] == 0
+        print(f"{name}: world 2: {s2}\n{name}: world 4: {s4}")
 
 
 def test_subgroups_with_different_expectations(four: Any) -> None:
