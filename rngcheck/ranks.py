@@ -6,13 +6,16 @@ wait in this rank's pending window until an exchange point: every random op (``s
 optimizer steps, every ``config.every`` random ops, ``mode.check()`` and exit (``sync="step"``),
 plus every torch.distributed collective the mode sees (an alignment point in both modes).
 
-At an exchange each rank folds its window into a fixed vector (a structure digest and ``K`` hashed
-stream slots, each packed as ``(x, -x)``) and the ranks run one all-reduce MAX over the checker's
-own gloo group: equal max and min mean every rank agrees. That costs the same bytes whatever the
-world size. Only on a mismatch do the ranks gather their rows (the window, ints only) and then
-the detail of the one divergent op (JSON text in a uint8 tensor; never pickle), so every rank
-builds the same finding from the same data. ``expect("differ")`` streams add one SUM all-reduce
-of packed bucket counts, only in windows that have such ops.
+At an exchange each rank folds its window into a fixed vector (the exchange round and point, a
+digest of the ops' structure, a digest of the group-wide "same" stream, each packed as ``(x, -x)``
+so one all-reduce MAX yields max and min) and the ranks run one all-reduce over the checker's own
+gloo group: equal max and min mean every rank agrees. That costs the same 72 bytes whatever the
+world size. Streams over parts of the group (``expect("differ")``, ``expect(group=...)``, sub-mesh
+DTensors) are then checked on small gloo groups their members make on first use (an all-reduce of
+two int64, or an all-gather of one per member for "differ"), plus one flag all-reduce so the whole
+group agrees on the outcome. Only on a mismatch do the ranks gather their rows (the window, ints
+only) and then the detail of the one divergent op (JSON text in a uint8 tensor; never pickle), so
+every rank builds the same finding from the same data.
 
 Every collective passes the checker's group; a rank that does not arrive within
 ``config.timeout`` gives a ``rank_missing`` finding (gloo honours the group timeout) instead of a
