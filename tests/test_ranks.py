@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -79,6 +80,22 @@ def _summary(mode: Any, error: BaseException | None = None) -> dict[str, Any]:
     return out
 
 
+def _raising(body: Callable[[dict[str, Any]], None], **kwargs: Any) -> dict[str, Any]:
+    """Run ``body(notes)`` under a checker that raises; return what a user would see, plus the
+    ``notes`` the body wrote before the error (the lines it expects to be named)."""
+    import rngcheck
+
+    mode = _mode(on_finding="raise", **kwargs)
+    notes: dict[str, Any] = {}
+    error = None
+    try:
+        with mode:
+            body(notes)
+    except rngcheck.RNGCheckError as e:
+        error = e
+    return {**_summary(mode, error), **notes}
+
+
 def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
 
@@ -141,23 +158,17 @@ def rank_seed(rank: int, world: int) -> dict[str, Any]:
 
 
 def extra_draw(rank: int, world: int) -> dict[str, Any]:
-    import rngcheck
+    def body(notes: dict[str, Any]) -> None:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, opt)
+        if rank == 1:
+            notes["line"] = _line()
+            torch.rand(1)  # one rank draws one extra number
+        _train_step(model, opt)
 
     torch.manual_seed(0)
-    mode = _mode(on_finding="raise")
-    error = None
-    try:
-        with mode:
-            model = _model()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            _train_step(model, opt)
-            if rank == 1:
-                line = _line()
-                torch.rand(1)  # one rank draws one extra number
-            _train_step(model, opt)
-    except rngcheck.RNGCheckError as e:
-        error = e
-    return {**_summary(mode, error), "line": locals().get("line")}
+    return _raising(body)
 
 
 def user_generator(rank: int, world: int) -> dict[str, Any]:
@@ -218,41 +229,31 @@ def dtensor_replicate(rank: int, world: int) -> dict[str, Any]:
             x = torch.nn.functional.dropout(x, 0.5)
             s = torch.nn.functional.dropout(s, 0.5)
     out["clean"] = _summary(mode)
-    error = None
-    mode = _mode(sync="op", on_finding="raise")
-    try:
-        with mode:
-            x = torch.nn.functional.dropout(x, 0.5)
-            if rank == 1:
-                seed_line = _line()
-                torch.manual_seed(99)  # this rank's generator drifts from the mesh's
-            line = _line()
-            x = torch.nn.functional.dropout(x, 0.5)
-    except Exception as e:  # noqa: BLE001 - the RNGCheckError, returned as data
-        error = e
-    out["drift"] = {**_summary(mode, error), "line": line, "seed_line": locals().get("seed_line")}
+
+    def drift(notes: dict[str, Any]) -> None:
+        y = torch.nn.functional.dropout(x, 0.5)
+        if rank == 1:
+            notes["seed_line"] = _line()
+            torch.manual_seed(99)  # this rank's generator drifts from the mesh's
+        notes["line"] = _line()
+        torch.nn.functional.dropout(y, 0.5)
+
+    out["drift"] = _raising(drift, sync="op")
     return out
 
 
 def op_sync_before_collective(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import rngcheck
+    def body(notes: dict[str, Any]) -> None:
+        torch.rand(2)
+        if rank == 1:
+            notes["line"] = _line()
+            torch.rand(2)  # rank 1 draws while rank 0 is already in the collective
+        dist.all_reduce(torch.ones(2))
 
     torch.manual_seed(0)
-    mode = _mode(sync="op", on_finding="raise")
-    error = None
-    t = torch.ones(2)
-    try:
-        with mode:
-            torch.rand(2)
-            if rank == 1:
-                line = _line()
-                torch.rand(2)  # rank 1 draws while rank 0 is already in the collective
-            dist.all_reduce(t)
-    except rngcheck.RNGCheckError as e:
-        error = e
-    return {**_summary(mode, error), "line": locals().get("line")}
+    return _raising(body, sync="op")
 
 
 def step_every(rank: int, world: int) -> dict[str, Any]:
@@ -366,19 +367,13 @@ def stage_dims(rank: int, world: int) -> dict[str, Any]:
 def exit_vs_barrier(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    import rngcheck
+    def body(notes: dict[str, Any]) -> None:
+        torch.rand(2)
+        if rank == 0:
+            dist.barrier()  # rank 1 leaves the checked block instead
 
     torch.manual_seed(0)
-    mode = _mode(on_finding="raise")
-    error = None
-    try:
-        with mode:
-            torch.rand(2)
-            if rank == 0:
-                dist.barrier()  # rank 1 leaves the checked block instead
-    except rngcheck.RNGCheckError as e:
-        error = e
-    return _summary(mode, error)
+    return _raising(body)
 
 
 def rank_raises(rank: int, world: int) -> dict[str, Any]:
