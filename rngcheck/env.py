@@ -352,6 +352,8 @@ class Activation:
         self.stopped_by: BaseException | None = None  # the finding's error that ended the run
         self._saved_findings = 0
         self._restore: list[Callable[[], None]] = []
+        self._step_hook: Any = None  # re-registered at bind, so it is never in _restore
+        self._previous_excepthook: Callable[..., Any] = sys.excepthook
         self._lock = threading.RLock()
 
     # -- start -------------------------------------------------------------------------------
@@ -365,14 +367,14 @@ class Activation:
             self._patch_distributed()
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            handle = register_optimizer_step_post_hook(self._after_step)
-            self._restore.append(handle.remove)
+            self._step_hook = register_optimizer_step_post_hook(self._after_step)
             atexit.register(self.finish)
             os.register_at_fork(after_in_child=self._in_forked_child)
             self._install_signal_handler()
-            previous_hook = sys.excepthook
+            # Kept after the checking ends: the last exchange (at destroy_process_group) can raise
+            # a finding's error that reaches the top only later.
+            self._previous_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
-            self._restore.append(lambda: setattr(sys, "excepthook", previous_hook))
         except BaseException:
             self._exit(*sys.exc_info(), "rngcheck failed to start")
             raise
@@ -402,9 +404,10 @@ class Activation:
             # The last exchange needs the group: end the checking before the group goes away.
             if group is None or group is distributed_c10d.GroupMember.WORLD:
                 try:
-                    self.stop("destroy_process_group()")
+                    self.stop("destroy_process_group()")  # may raise the last finding's error
                 finally:
-                    return original_destroy(group)  # noqa: B012 - a finding still frees the group
+                    original_destroy(group)  # freed either way
+                return None
             return original_destroy(group)
 
         wrappers = ((init_process_group, original_init), (destroy_process_group, original_destroy))
@@ -431,6 +434,12 @@ class Activation:
         }
         self.mode.bind_distributed()
         self.bound = True
+        # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
+        # new findings are saved at that step.
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook.remove()
+        self._step_hook = register_optimizer_step_post_hook(self._after_step)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.exited:
@@ -508,7 +517,7 @@ class Activation:
                     "end and collect every finding.\n"
                 )
             return
-        sys.__excepthook__(exc_type, exc, tb)
+        self._previous_excepthook(exc_type, exc, tb)
 
     def _renders(self, finding: Any) -> bool:
         """One merged rendering: the lowest rank involved in a finding draws it."""
@@ -530,6 +539,9 @@ class Activation:
         try:
             self.mode.__exit__(exc_type, exc, tb)
         finally:
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             for undo in reversed(self._restore):
                 undo()
             self._restore.clear()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -48,23 +47,11 @@ def _line(script: str, text: str) -> str:
     return f"{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, script: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return _run(
-        [
-            TORCHRUN,
-            f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
-            str(SCRIPTS / script),
-        ],
-        **env,
-    )
+    # --standalone: the rendezvous binds a free port itself (a port picked here could be taken
+    # by a concurrent test before torchrun binds it); gloo stays on loopback (GLOO_SOCKET_IFNAME).
+    args = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(SCRIPTS / script)]
+    return _run(args, **env)
 
 
 # -- off means off -------------------------------------------------------------------------------
@@ -346,3 +333,22 @@ def test_a_crash_still_leaves_the_report_and_says_how_the_run_ended(tmp_path: Pa
     assert report.ok and report.random_ops == 1
     assert report.meta["ended_by"] == "KeyError: 'boom'"
     assert cli_main(["show", str(tmp_path)]) == 0
+
+
+@pytest.mark.parametrize("skip_destroy", ["", "1"], ids=["at-destroy", "at-exit"])
+def test_a_divergence_after_the_last_step_still_fails_the_job(tmp_path: Path, skip_destroy: str):
+    # Only the final exchange sees it: in destroy_process_group, or at interpreter exit.
+    r = _torchrun(
+        2, "eval_buggy.py", RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path), SKIP_DESTROY=skip_destroy
+    )
+    _skip_until_ranks_land(r)
+    assert r.returncode != 0
+    assert r.stdout.count("evaluation finished") == 2, r.stderr[-3000:]
+    assert r.stderr.count("RNG state diverged across ranks") == 1
+    assert "rank 1 ran an extra random op, aten.randint.low on default cpu at " in r.stderr
+    assert _line("eval_buggy.py", "torch.randint(0, 10, (1,))") in r.stderr
+    assert "rngcheck.report.RankDivergenceError" not in r.stderr  # no traceback repeating it
+    reports = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
+    assert all(rep.findings for rep in reports)
+    ended = "destroy_process_group()" if not skip_destroy else "exit"
+    assert reports[0].meta["ended_by"] == ended
