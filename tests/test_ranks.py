@@ -376,11 +376,12 @@ def exit_vs_barrier(rank: int, world: int) -> dict[str, Any]:
     return _raising(body)
 
 
-def rank_raises(rank: int, world: int) -> dict[str, Any]:
+def _rank_one_leaves(rank: int, hang: float, timeout: float, message: str) -> dict[str, Any]:
+    """Three optimizer steps; at the second, rank 1 hangs for ``hang`` seconds, then raises."""
     import time
 
     torch.manual_seed(0)
-    mode = _mode(timeout=5.0, on_finding="warn")
+    mode = _mode(timeout=timeout, on_finding="warn")
     start = time.monotonic()
     try:
         with mode:
@@ -388,7 +389,8 @@ def rank_raises(rank: int, world: int) -> dict[str, Any]:
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for step in range(3):
                 if rank == 1 and step == 1:
-                    raise RuntimeError("rank 1 crashed")  # leaves the block; rank 0 steps on
+                    time.sleep(hang)
+                    raise RuntimeError(message)  # leaves the block; rank 0 steps on
                 model(torch.ones(2, 8)).sum().backward()
                 opt.step()
     except RuntimeError as e:
@@ -396,25 +398,13 @@ def rank_raises(rank: int, world: int) -> dict[str, Any]:
     return {**_summary(mode), "waited": time.monotonic() - start}
 
 
-def rank_stops(rank: int, world: int) -> dict[str, Any]:
-    import time
+def rank_raises(rank: int, world: int) -> dict[str, Any]:
+    return _rank_one_leaves(rank, hang=0.0, timeout=5.0, message="rank 1 crashed")
 
-    torch.manual_seed(0)
-    mode = _mode(timeout=3.0, on_finding="warn")
-    try:
-        with mode:
-            model = _model()
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
-            for step in range(3):
-                if rank == 1 and step == 1:
-                    time.sleep(8)  # this rank stops reaching the exchange (a hang, then a crash)
-                    raise RuntimeError("rank 1 gave up")
-                x = model(torch.ones(2, 8)).sum()
-                x.backward()
-                opt.step()
-    except RuntimeError as e:
-        return {"error": str(e)}
-    return _summary(mode)
+
+def rank_stops(rank: int, world: int) -> dict[str, Any]:
+    # Hangs past the timeout: the others report it instead of hanging too.
+    return _rank_one_leaves(rank, hang=8.0, timeout=3.0, message="rank 1 gave up")
 
 
 rank_stops.breaks_group = True  # type: ignore[attr-defined]
