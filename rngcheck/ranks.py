@@ -509,7 +509,21 @@ class RankChecker:
         details = self._gather_text(json.dumps(blob))
         self._stopped = True  # one report, then no more exchanges: later ops would all differ
         self._clear()
-        return build_finding(spot, windows, details, self._domain)
+        try:
+            return build_finding(spot, windows, details, self._domain)
+        except Exception as e:  # noqa: BLE001 - never let a describing bug escape into training
+            log.exception("rngcheck could not describe a cross-rank divergence")
+            return Finding(
+                kind=FindingKind.RANK_DIVERGENCE,
+                message=(
+                    f"the ranks disagree at random op {spot.index} of exchange #{self._round} "
+                    f"({spot.kind}); rngcheck could not describe it ({type(e).__name__}: {e})"
+                ),
+                op=events[index].op if 0 <= index < len(events) else "",
+                differs=spot.kind,
+                ranks=self._domain,
+                stack=stack,
+            )
 
     def _gather_text(self, text: str) -> dict[int, dict[str, Any]]:
         data = text.encode()
