@@ -16,7 +16,7 @@ import pytest
 
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
 from rngcheck.report import Report
-from rngcheck.trace import read_trace
+from rngcheck.trace import first_divergence, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -280,7 +280,8 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     from rngcheck.cli import main as cli_main
 
     clean, buggy = tmp_path / "clean", tmp_path / "buggy"
-    r = _torchrun(2, "train_clean.py", RNGCHECK="1", RNGCHECK_REPORT=str(clean))
+    out = {"RNGCHECK_REPORT": str(clean), "RNGCHECK_TRACE": str(clean)}
+    r = _torchrun(2, "train_clean.py", RNGCHECK="1", **out)
     _skip_until_ranks_land(r)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("training finished") == 2
@@ -288,8 +289,12 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     assert all(rep.ok and rep.world_size == 2 for rep in reports)
     assert reports[0].meta["run_id"] == reports[1].meta["run_id"]
     assert cli_main(["show", str(clean)]) == 0
+    # Replicas draw the same random numbers: their traces are the same, op for op.
+    traces = [str(clean / f"rank{i}.trace.jsonl") for i in range(2)]
+    assert cli_main(["diff", *traces]) == 0
 
-    r = _torchrun(2, "train_buggy.py", RNGCHECK="1", RNGCHECK_REPORT=str(buggy))
+    out = {"RNGCHECK_REPORT": str(buggy), "RNGCHECK_TRACE": str(buggy)}
+    r = _torchrun(2, "train_buggy.py", RNGCHECK="1", **out)
     assert r.returncode != 0
     assert "training finished" not in r.stdout
     # Default settings (sync="step"): DDP's parameter broadcast is the first exchange point, and
@@ -299,11 +304,14 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     assert f"before aten.uniform_.default at {first_op}" in r.stderr
     seed = _line("train_buggy.py", "torch.manual_seed(1234 + rank)")
     assert f"rank 1 torch.manual_seed(1235) at {seed}" in r.stderr
-    files = sorted(os.listdir(buggy))
-    assert files == ["rank0.json", "rank1.json"]  # both ranks saved, the killed one too
-    saved = [json.loads((buggy / f).read_text()) for f in files]
+    files = ["rank0.json", "rank0.trace.jsonl", "rank1.json", "rank1.trace.jsonl"]
+    assert sorted(os.listdir(buggy)) == files  # both ranks saved, the killed one too
+    saved = [json.loads((buggy / f).read_text()) for f in files[::2]]
     assert all(d["findings"] for d in saved)
     assert cli_main(["show", str(buggy)]) == 1
+    # The two ranks' streams part at their very first op: the same op, another state before it.
+    (divergence, _) = first_divergence(*(read_trace(buggy / f).ops() for f in files[1::2]))
+    assert divergence is not None and (divergence.index, divergence.differs) == (0, "state before")
 
 
 def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) -> None:
