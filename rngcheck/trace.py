@@ -180,33 +180,43 @@ class TraceRecorder:
 
 # -- the mode's side: one recorder per active mode -----------------------------------------------
 
-_RECORDERS: weakref.WeakKeyDictionary[Any, TraceRecorder | None] = weakref.WeakKeyDictionary()
+_RECORDERS: weakref.WeakKeyDictionary[Any, TraceRecorder | OSError] = weakref.WeakKeyDictionary()
 
 
 def feed(mode: Any, event: RandomOpEvent) -> None:
-    """Called by the mode for every random op; records it when the mode has ``trace=`` set."""
+    """Called by the mode for every random op; records it when the mode has ``trace=`` set.
+
+    A disk error never stops training: the recorder is dropped and the error kept, to be
+    reported (as a warning) when the mode writes its outputs at exit.
+    """
     path = mode.config.trace
     if not path:
         return
+    recorder = _RECORDERS.get(mode)
+    if recorder is None:
+        try:
+            recorder = _RECORDERS[mode] = TraceRecorder(path, meta=_meta_of(mode))
+        except OSError as e:
+            _RECORDERS[mode] = e
+            return
+    if isinstance(recorder, OSError):
+        return
     try:
-        recorder = _RECORDERS[mode]
-    except KeyError:
-        try:
-            recorder = TraceRecorder(path, meta=_meta_of(mode))
-        except OSError:
-            recorder = None  # _write_outputs reports the failure when it writes at exit
-        _RECORDERS[mode] = recorder
-    if recorder is not None:
-        try:
-            recorder.add(event)
-        except OSError:
-            recorder.abort()
-            _RECORDERS[mode] = None
+        recorder.add(event)
+    except OSError as e:
+        recorder.abort()
+        _RECORDERS[mode] = e
 
 
 def stream_for(mode: Any) -> TraceRecorder | list[RandomOpEvent]:
-    """The recorder that holds ``mode``'s stream so far (taking it over), or an empty stream."""
+    """The recorder that holds ``mode``'s stream so far (taking it over), or an empty stream.
+
+    Raises the OSError that stopped the recording, if one did: an incomplete trace must not be
+    written as if it were the whole stream.
+    """
     recorder = _RECORDERS.pop(mode, None)
+    if isinstance(recorder, OSError):
+        raise OSError(f"recording stopped at a disk error: {recorder}")
     return recorder if recorder is not None else []
 
 

@@ -274,3 +274,13 @@ def test_on_a_terminal_show_and_diff_draw_panels_with_both_stacks(tmp_path: Path
     assert "B: aten.rand.default(size=[3], device=cpu)" in out
     assert "torch.rand(3)  # the refactor" in out  # B's source line, in its traceback
     assert "last both ran" in out
+
+
+def test_a_trace_that_cannot_be_written_warns_and_never_stops_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    path = blocker / "trace.jsonl"  # its "directory" is a file
+    warns = pytest.warns(rngcheck.RNGCheckWarning, match=f"could not write its trace to {path}")
+    with warns, rngcheck.RNGConsistencyMode(on_finding="record", trace=str(path)) as mode:
+        _training()
+    assert mode.report.random_ops == 5 and not path.exists()
