@@ -57,6 +57,7 @@ class Spot:
     stream: int = 0
 
     def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
+        """The position in ``window`` of this rank's op at the spot (past the end: none)."""
         if self.kind in ("flow", "points"):
             return self.index
         positions = [i for i, r in enumerate(window) if r[1] == self.stream]
@@ -64,6 +65,9 @@ class Spot:
 
 
 def localise(windows: dict[int, list[tuple]], points: dict[int, Point]) -> Spot | None:
+    """The first place the ranks' windows disagree: different ops (control flow), then, stream by
+    stream, states ("same") or shared states ("differ"), then different exchange points. None:
+    they agree (two streams only shared a hashed value)."""
     length = max(len(w) for w in windows.values())
     for i in range(length):
         if len({w[i][0] if i < len(w) else None for w in windows.values()}) > 1:
@@ -201,6 +205,12 @@ def _flow_finding(
             f"at {ev.site}, that {_ranks_word(others)} did not run there (control flow that "
             "depends on the rank)"
         )
+        if len(extra_side) > len(others):  # most ranks ran it: the few skipped it
+            cause = (
+                f"{_ranks_word(others)} skipped a random op, {ev.op} on {ev.generator.label} at "
+                f"{ev.site}, that {_ranks_word(extra_side)} ran (control flow that depends on "
+                "the rank)"
+            )
         if any(_DATA_DIR in f.filename for f in ev.stack.frames):
             cause += (
                 ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
@@ -218,20 +228,25 @@ def _flow_finding(
             else f"{_ranks_word(s.ranks)} {s.note}"
             for s in sides
         )
-    lead = odd.event or ref.event
+    # The line to point at: the op one side ran and the other did not, whichever side that is.
+    who = odd if odd.event is not None else ref
+    if extra_side is not None:
+        who = next(s for s in sides if s.ranks == extra_side)
+    lead = who.event
     assert lead is not None
+    other = ref if who is odd else odd
     return Finding(
         kind=FindingKind.RANK_DIVERGENCE,
         message=(
             f"the ranks ran different random ops: {_describe(ref)} but {_describe(odd)} "
-            f"(random op #{(lead.seq)} on {_ranks_word(odd.ranks)})"
+            f"(random op #{lead.seq} on {_ranks_word(who.ranks)})"
         ),
         op=lead.op,
         cause=cause,
         differs="op",
         ranks=tuple(domain),
         stack=lead.stack,
-        other_stack=(ref.event or odd.event).stack if ref.event and odd.event else None,
+        other_stack=other.event.stack if other.event is not None else None,
         sides=sides,
         seq=lead.seq,
     )

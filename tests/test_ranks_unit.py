@@ -95,6 +95,23 @@ def test_single_process_has_no_rank_checker() -> None:
     assert rngcheck.exchange_stats() == {}  # no active mode
 
 
+def test_flow_finding_when_one_rank_of_three_skipped_an_op() -> None:
+    dropout, rand = _row("bernoulli", 1, 2), _row("rand", 2, 3)
+    windows = {0: [rand, dropout], 1: [dropout], 2: [rand, dropout]}
+    details = {
+        0: {"event": _event(5, "aten.rand.default", ("train.py", 30)), "point": "x"},
+        1: {"event": _event(5, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
+        2: {"event": _event(5, "aten.rand.default", ("train.py", 30)), "point": "x"},
+    }
+    f = build_finding(
+        localise(windows, dict.fromkeys(windows, Point.EXIT)), windows, details, (0, 1, 2)
+    )
+    assert [(s.label, s.ranks) for s in f.sides] == [("majority", (0, 2)), ("outliers", (1,))]
+    assert f.cause.startswith("rank 1 skipped a random op, aten.rand.default")
+    assert f.site == "train.py:30" and f.other_stack.describe() == "model.py:9"
+    assert "random op #5 on ranks 0,2" in f.message
+
+
 def test_rank_finding_renders_as_a_panel_with_a_side_that_ran_nothing() -> None:
     from rich.console import Console
 
