@@ -304,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Read what rngcheck saved: reports (show) and random-op traces (diff).",
         epilog="Exit codes: 0 clean / same, 1 findings / diverged, 2 error, 3 reports missing.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"rngcheck {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser(
         "show",
