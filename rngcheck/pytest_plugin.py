@@ -39,13 +39,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--rngcheck-expect",
-        default="same",
-        help="the mode's default expectation across ranks: same, differ or ignore (default: same)",
+        default=os.environ.get("RNGCHECK_EXPECT", "same").strip().lower(),
+        help="the mode's default expectation across ranks: same, differ or ignore "
+        "(default: RNGCHECK_EXPECT, else same)",
     )
     group.addoption(
         "--rngcheck-sync",
-        default="step",
-        help="when ranks exchange digests: op, step or off (default: step)",
+        default=os.environ.get("RNGCHECK_SYNC", "step").strip().lower(),
+        help="when ranks exchange digests: op, step or off (default: RNGCHECK_SYNC, else step)",
     )
     group.addoption(
         "--rngcheck-report",
