@@ -335,6 +335,10 @@ class RankChecker:
     def _exchange(self, point: Point, where: str) -> None:
         if self._stopped or self._busy or self._side is None:
             return
+        if not dist.is_initialized():  # the program tore torch.distributed down inside the block
+            log.info("rngcheck: torch.distributed was destroyed; cross-rank checks end here")
+            self._stopped = True
+            return
         finding = None
         with self._lock:
             if self._stopped:
@@ -500,7 +504,7 @@ class RankChecker:
             self._clear()
             return None
         index = spot.index_for(self.rank, windows[self.rank])
-        stack = Stack.capture(skip=4)
+        stack = Stack.capture()
         blob = {
             "event": events[index].to_dict() if 0 <= index < len(events) else None,
             "point": point_text(points[self.rank], where, stack),
@@ -547,7 +551,7 @@ class RankChecker:
 
     def _missing(self, point: Point, where: str, error: BaseException) -> Finding:
         """A rank did not arrive in time: find out which through the store, and say so."""
-        stack = Stack.capture(skip=3)
+        stack = Stack.capture()
         here = point_text(point, where, stack)
         arrived = self._board.arrivals(
             self._round, self.rank, self._domain, min(5.0, self._cfg.timeout)

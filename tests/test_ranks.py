@@ -256,6 +256,17 @@ def op_sync_before_collective(rank: int, world: int) -> dict[str, Any]:
     return _raising(body, sync="op")
 
 
+def destroyed_inside(rank: int, world: int) -> dict[str, Any]:
+    """The script tears torch.distributed down inside the block: no finding, no error."""
+    import torch.distributed as dist
+
+    with _mode() as mode:
+        torch.rand(2)
+        dist.destroy_process_group()
+    dist.init_process_group("gloo")  # for the scenarios after this one
+    return _summary(mode)
+
+
 def step_every(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     with _mode(every=4) as mode:
@@ -426,6 +437,7 @@ _TWO = [
     "step_every",
     "exit_vs_barrier",
     "pair_streams",
+    "destroyed_inside",
 ]
 _FOUR = [
     "clean_training",
@@ -478,6 +490,12 @@ def test_clean_training_reports_nothing(two: Any) -> None:
             assert r["world_size"] == 2 and r["rank"] == rank
             assert r["stats"]["mismatches"] == 0 and r["stats"]["slow_calls"] == 0
             assert r["rendered"] == ""
+
+
+def test_process_group_destroyed_inside_the_block(two: Any) -> None:
+    for r in two["destroyed_inside"].values():
+        assert "error" not in r, r.get("traceback")
+        assert r["ok"] and r["stats"]["exchanges"] == 0
 
 
 def test_step_sync_exchanges_at_steps_collectives_every_and_exit(two: Any) -> None:
