@@ -360,3 +360,15 @@ def test_a_divergence_after_the_last_step_still_fails_the_job(tmp_path: Path, sk
     assert all(rep.findings for rep in reports)
     ended = "destroy_process_group()" if not skip_destroy else "exit"
     assert reports[0].meta["ended_by"] == ended
+
+
+def test_a_group_made_by_init_device_mesh_is_bound_too(tmp_path: Path) -> None:
+    r = _torchrun(2, "mesh_buggy.py", RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path))
+    _skip_until_ranks_land(r)
+    assert r.returncode != 0 and r.stdout.count("done") == 2
+    assert r.stderr.count("RNG state diverged across ranks") == 1
+    dropout = _line("mesh_buggy.py", "dropout(x, 0.5)")
+    assert f"before aten.bernoulli_.float at {dropout}" in r.stderr
+    report = Report.load(tmp_path / "rank0.json")
+    assert report.meta["process_group"]["world_size"] == 2
+    assert report.meta["ended_by"] == "destroy_process_group()"  # the final exchange found it
