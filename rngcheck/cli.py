@@ -64,7 +64,8 @@ def _report_files(paths: Sequence[str]) -> list[str]:
 
 @dataclass
 class _MergedFinding:
-    finding: Any
+    finding: Any  # as the first of its ranks (the lowest, files being sorted) recorded it
+    rank: int = 0
     seen_on: set[int] = field(default_factory=set)
 
 
@@ -94,7 +95,7 @@ class _Run:
             # mismatch) merge when the ranks hit the same one at the same op and line, as SPMD
             # ranks do (not by message: it numbers checkpoint regions per process).
             key = (f.kind.value, f.op, f.seq, f.ranks, f.differs, f.site)
-            entry = self.findings.setdefault(key, _MergedFinding(f))
+            entry = self.findings.setdefault(key, _MergedFinding(f, report.rank))
             entry.seen_on.add(report.rank)
         for n in report.notes:
             entry_n = self.notes.setdefault((n.kind, n.message), (n, set()))
@@ -104,13 +105,15 @@ class _Run:
 def _load_runs(files: Sequence[str]) -> list[_Run]:
     from .report import Report
 
-    runs: dict[str, _Run] = {}
+    loaded = []
     for path in files:
         try:
-            report = Report.load(path)
+            loaded.append((Report.load(path), path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             hint = " (a trace? use `rngcheck diff`)" if _is_trace(path) else ""
             raise _UsageError(f"{path}: not a readable rngcheck report{hint}: {e}") from None
+    runs: dict[str, _Run] = {}
+    for report, path in sorted(loaded, key=lambda rp: rp[0].rank):  # lowest rank speaks first
         run_id = str(report.meta.get("run_id") or path)
         run = runs.setdefault(run_id, _Run(run_id))
         if report.rank in run.reports:
@@ -137,7 +140,7 @@ def _print(console: Console, text: str, style: str | None = None) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _context_table(console: Console, merged: _MergedFinding) -> None:
+def _context_table(console: Console, merged: _MergedFinding, several: bool) -> None:
     """The events around the finding, as the run saw them (the finding's op marked)."""
     events = merged.finding.context
     if not events:
@@ -155,13 +158,15 @@ def _context_table(console: Console, merged: _MergedFinding) -> None:
         for e in events
     ]
     header = ("", "#", "op", "generator", "phase", "state before", "call site")
+    on = f" (on rank {merged.rank})" if several else ""
     if console.is_terminal:
-        table = Table(*header, title="random ops around it", title_justify="left")
+        title = f"random ops around it{on}"
+        table = Table(*header, title=title, title_justify="left")
         for row in rows:
             table.add_row(*row)
         console.print(table)
         return
-    _print(console, "  random ops around it:")
+    _print(console, f"  random ops around it{on}:")
     for row in rows:
         _print(console, f"  {row[0]:1} #{row[1]:>5} {row[2]} on {row[3]}, {row[4]}, state "
                f"{row[5]}, at {row[6]}")
@@ -181,7 +186,7 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             if len(run.reports) > 1:
                 _print(console, f"  recorded by rank(s) {format_ranks(merged.seen_on)}")
             if context:
-                _context_table(console, merged)
+                _context_table(console, merged, several=len(run.reports) > 1)
         for note, ranks in run.notes.values():
             on = f" (rank(s) {format_ranks(ranks)})" if len(run.reports) > 1 else ""
             _print(console, f"note{on}: {note.message}", style="yellow")

@@ -100,6 +100,7 @@ def test_show_merges_the_per_rank_files_of_one_run(tmp_path: Path) -> None:
     assert code == 1
     assert out.count(TITLE) == 1  # one rendering for the finding both ranks recorded
     assert "recorded by rank(s) 0:2" in out
+    assert "random ops around it (on rank 0):" in out
     assert "rngcheck: 2 rank report(s) (ranks 0:2 of 2)" in out
     assert "no report from" not in out
 
