@@ -107,16 +107,15 @@ class _CheckpointFunctionShim:
         tracker = mode.recompute_tracker if mode is not None else None
         if tracker is None:
             return self._original.apply(function, preserve_rng_state, *args)
-        # kind "custom": torch_xla restores the XLA seed of the default device itself, not the
-        # generators of the arguments' devices as torch.utils.checkpoint does; a recompute that
-        # continues the forward's seed is then blamed on a missing restore (the bug of
+        # kind "torch_xla": torch_xla restores the XLA seed of the default device itself, not
+        # the generators of the arguments' devices as torch.utils.checkpoint does; a recompute
+        # that continues the forward's seed is blamed on a missing XLA seed restore (the bug of
         # pytorch/xla PR 4690), not on a Megatron-style named stream.
         region = tracker.new_region(
-            kind="custom",
+            kind="torch_xla",
             preserve_rng_state=bool(preserve_rng_state),
             args=args,
             name="torch_xla checkpoint",
-            skip=1,
         )
         calls = itertools.count()
 

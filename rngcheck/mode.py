@@ -378,7 +378,7 @@ class RNGConsistencyMode:
             before=before,
             after=after,
             phase=self._phase(),
-            stack=Stack.capture(skip=2),
+            stack=Stack.capture(),
             expect=self._expectation(),
             output=tensor_digest(out) if in_region else None,
             out_of_band=oob,
@@ -410,7 +410,7 @@ class RNGConsistencyMode:
             before=None,
             after=None,
             phase=Phase.RECOMPUTE,
-            stack=Stack.capture(skip=3),
+            stack=Stack.capture(),
             expect=self._expectation(),
             cached=True,
             region=tracker.innermost() if tracker is not None else "",
@@ -498,7 +498,7 @@ class RNGConsistencyMode:
 
 
 def _first_use_site() -> str:
-    site = Stack.capture(skip=3).call_site
+    site = Stack.capture().call_site
     return site.short_location if site is not None else ""
 
 

@@ -163,7 +163,6 @@ class RecomputeTracker:
             kind="non-reentrant",
             preserve_rng_state=bool(preserve_rng_state),
             args=rest[3:],
-            skip=3,
         )
 
         def recompute_fn(*args: Any, **kw: Any) -> Any:
@@ -190,7 +189,6 @@ class RecomputeTracker:
         preserve_rng_state: bool | None,
         args: tuple = (),
         name: str | None = None,
-        skip: int = 0,
     ) -> Region:
         number = next(_region_numbers)
         devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
@@ -198,7 +196,7 @@ class RecomputeTracker:
             number=number,
             kind=kind,
             name=name or f"checkpoint #{number}",
-            stack=Stack.capture(skip=skip + 1),
+            stack=Stack.capture(),
             preserve_rng_state=preserve_rng_state,
             devices=tuple(devices),
         )
@@ -336,7 +334,7 @@ class _ReentrantShim:
     def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         tracker = self._tracker
         region = tracker.new_region(
-            kind="reentrant", preserve_rng_state=bool(preserve_rng_state), args=args, skip=2
+            kind="reentrant", preserve_rng_state=bool(preserve_rng_state), args=args
         )
         calls = itertools.count()
 
@@ -445,7 +443,7 @@ class CheckpointRegion:
             return
         self._tracker = tracker
         self._region = tracker.new_region(
-            kind="custom", preserve_rng_state=self._restores_rng, name=self._name, skip=2
+            kind="custom", preserve_rng_state=self._restores_rng, name=self._name
         )
         with tracker.phase(self._region, Phase.FORWARD):
             yield

@@ -17,6 +17,9 @@ import torch
 
 from .events import RandomOpEvent, SeedCall
 
+# Region kinds whose checkpoint is not torch.utils.checkpoint: causes name their own restore.
+_CUSTOM = ("custom", "torch_xla")
+
 if TYPE_CHECKING:
     from .recompute import Region
 
@@ -141,6 +144,8 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
             "draws from a shifted state. Make the policy return PREFER_RECOMPUTE/MUST_RECOMPUTE "
             "for random ops, or save all of them."
         )
+    if region.kind == "torch_xla" and gen.device.startswith("xla"):
+        return _xla_cause(region, gen.label)
     reseeds = [c for c in _user_calls(r) if _is_reseed(c)]
     if reseeds:
         return _reseed_cause(gen.label, reseeds, [c for c in _user_calls(f) if _is_reseed(c)])
@@ -148,7 +153,7 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
     swaps_rec = [c for c in _user_calls(r) if not _is_reseed(c)]
     if swaps_rec and {_where(c) for c in swaps_fwd} & {_where(c) for c in swaps_rec}:
         return _stream_cause(gen.label, swaps_rec[-1])
-    if region.preserve_rng_state is False and gen.is_default and region.kind == "custom":
+    if region.preserve_rng_state is False and gen.is_default and region.kind in _CUSTOM:
         return (
             f"the custom checkpoint region was marked restores_rng=False, so {gen.label} was not "
             "restored before the recompute: the recompute continues the stream instead of "
@@ -162,7 +167,7 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
             "it. Use preserve_rng_state=True (the default) for regions with random ops."
         )
     if not gen.is_default:
-        if region.kind == "custom":
+        if region.kind in _CUSTOM:
             return (
                 f"{gen.label} was passed as generator= and the custom checkpoint did not "
                 "restore its state before the recompute. Save it with get_state() in the "
@@ -176,20 +181,20 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
             "of the checkpointed function, or draw this randomness outside the region."
         )
     device_type = gen.device.split(":")[0]
-    if region.kind != "custom" and device_type != "cpu" and device_type not in region.devices:
+    if region.kind not in _CUSTOM and device_type != "cpu" and device_type not in region.devices:
         return (
             f"{gen.label} is used only inside the checkpointed function: torch.utils.checkpoint "
             f"stashes the CPU generator and the default generator of its tensor arguments' "
             f"device ({', '.join(region.devices) or 'none'}) only. Pass a {device_type} tensor "
             "as an argument, or seed that generator inside the function."
         )
-    if _continues_forward(region, r) and (region.kind != "custom" or swaps_fwd):
+    if _continues_forward(region, r) and (region.kind not in _CUSTOM or swaps_fwd):
         # The recompute drew from a state the forward left this generator in, although the
         # checkpoint restored the generator at the region's start: something inside the region
         # swapped a saved state in, and that saved state was not rewound. (A custom checkpoint
         # that restores nothing continues the stream too; without a swap seen, blame it.)
         return _stream_cause(gen.label, swaps_fwd[-1] if swaps_fwd else None)
-    if region.kind == "custom":
+    if region.kind in _CUSTOM:
         return (
             f"the custom checkpoint did not restore {gen.label} to its forward state before the "
             "recompute. Stash it with get_state() before the forward and restore it with "
@@ -200,6 +205,23 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
         "region's start was restored: something inside the region drew from it in one pass "
         "only (an op outside the checker's view, another thread), or it was set with "
         "Generator.set_state."
+    )
+
+
+def _xla_cause(region: Region, label: str) -> str:
+    if region.preserve_rng_state is False:
+        return (
+            f"the torch_xla checkpoint ran with preserve_rng_state=False, so the XLA seed of "
+            f"{label} (xm.get_rng_state) was not saved and restored: the recompute continues "
+            "the seed instead of replaying it. Use preserve_rng_state=True for regions with "
+            "random ops."
+        )
+    return (
+        f"the XLA seed of {label} was not restored before the recompute. The XLA RNG is one "
+        "running seed per device that torch.random.fork_rng does not cover: the checkpoint "
+        "must save xm.get_rng_state(device) in the forward and xm.set_rng_state(seed, device) "
+        "before recomputing (the bug fixed by pytorch/xla PR 4690). Upgrade torch_xla, or "
+        "restore the seed in your checkpoint function."
     )
 
 

@@ -133,7 +133,7 @@ class SeedCallLog:
                 call = SeedCall(
                     api=api,
                     argument=target.describe(args, kwargs),
-                    stack=Stack.capture(skip=1),
+                    stack=Stack.capture(),
                     by_torch=target.library
                     or (is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)),
                 )

@@ -103,8 +103,11 @@ class Stack:
         self._frames: tuple[Frame, ...] | None = None if tb is not None else tuple(frames)
 
     @classmethod
-    def capture(cls, skip: int = 0) -> Stack:
-        return cls(CapturedTraceback.extract(skip=skip + 1))
+    def capture(cls) -> Stack:
+        # The whole stack, always: rngcheck's and torch's frames are marked internal and
+        # filtered when read. Skipping a counted number of frames would cut into the user's
+        # frames on torch versions with fewer wrapper frames between them and the mode.
+        return cls(CapturedTraceback.extract(skip=1))
 
     @classmethod
     def empty(cls) -> Stack:

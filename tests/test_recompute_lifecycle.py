@@ -3,6 +3,7 @@ RecomputeMismatchError out of .backward()."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import subprocess
 import sys
@@ -18,6 +19,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import rngcheck
+
+# torch < 2.10's non-reentrant checkpoint() does not throw a forward's exception into its
+# generator (pytorch PR 184018), so torch's own saved-tensor hooks, and the region with them,
+# stay open while the exception's traceback lives: nothing rngcheck can close from outside.
+_THROWS_INTO_GENERATOR = "gen.throw" in inspect.getsource(tuc.checkpoint)
+needs_forward_exception_handling = pytest.mark.skipif(
+    not _THROWS_INTO_GENERATOR,
+    reason="this torch leaves a failed non-reentrant checkpoint forward open (pytorch PR 184018)",
+)
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
@@ -66,6 +76,9 @@ def test_restored_when_an_exception_leaves_the_mode():
 
 @REENTRANT
 def test_restored_when_the_checkpointed_forward_raises(reentrant):
+    if not reentrant and not _THROWS_INTO_GENERATOR:
+        pytest.skip("this torch leaves a failed non-reentrant forward open (pytorch PR 184018)")
+
     def block(x):
         F.dropout(x, 0.5)
         raise ValueError("inside the region")
@@ -78,6 +91,7 @@ def test_restored_when_the_checkpointed_forward_raises(reentrant):
     _assert_torch_untouched()
 
 
+@needs_forward_exception_handling
 def test_the_mode_keeps_working_after_a_failed_region():
     lin = nn.Linear(4, 4)
 

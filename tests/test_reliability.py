@@ -157,7 +157,7 @@ def test_composes_with_flop_counter_mode(ours_outside):
 
 @pytest.mark.parametrize("ours_outside", [True, False])
 def test_composes_with_debug_mode(ours_outside):
-    from torch.utils._debug_mode import DebugMode
+    DebugMode = pytest.importorskip("torch.utils._debug_mode").DebugMode  # torch >= 2.10
 
     if ours_outside:
         with rngcheck.RNGConsistencyMode() as mode, DebugMode() as dm:

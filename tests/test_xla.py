@@ -81,7 +81,8 @@ def test_report_scenario_detected():
     assert forward.event.generator.label == "default xla:0"
     assert recompute.event.phase is Phase.RECOMPUTE
     assert forward.event.before != recompute.event.before
-    assert "did not restore default xla:0 to its forward state" in finding.cause
+    assert "the XLA seed of default xla:0 was not restored before the recompute" in finding.cause
+    assert "pytorch/xla PR 4690" in finding.cause
 
 
 def test_fixed_checkpoint_quiet():
@@ -119,7 +120,8 @@ def test_preserve_rng_state_false_detected(device):
     finding = info.value.finding
     assert finding.op.startswith("aten.bernoulli")
     assert finding.differs == "state"
-    assert "default xla:0 was not restored before the recompute" in finding.cause
+    assert "preserve_rng_state=False" in finding.cause
+    assert "XLA seed of default xla:0" in finding.cause
     site = finding.stack.call_site
     assert site is not None and site.line.endswith("# dropout line")
 
