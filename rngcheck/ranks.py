@@ -1,10 +1,11 @@
 """Cross-rank exchange of RNG digests over torch.distributed, and the first divergent random op.
 
-Every random op the mode sees becomes a row of four int64s (its structure: op, generator and
-expectation; the stream it belongs to: expectation and rank group; the state before; after). Rows
-wait in this rank's pending window until an exchange point: every random op (``sync="op"``) or
-optimizer steps, every ``config.every`` random ops, ``mode.check()`` and exit (``sync="step"``),
-plus every torch.distributed collective the mode sees (an alignment point in both modes).
+Every random op the mode sees becomes a row of five int64s (its structure: op, generator and
+arguments; the stream it belongs to: expectation and rank group; the state before; after; the
+expectation's code). Rows wait in this rank's pending window until an exchange point: every
+random op (``sync="op"``) or optimizer steps, every ``config.every`` random ops, ``mode.check()``
+and exit (``sync="step"``), plus every torch.distributed collective the mode sees (an alignment
+point in both modes).
 
 At an exchange each rank folds its window into a fixed vector (the exchange round and point, a
 digest of the ops' structure, a digest of the group-wide "same" stream, each packed as ``(x, -x)``
