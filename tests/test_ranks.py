@@ -362,9 +362,10 @@ def stage_dims(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Replicate()])
     results = {}
-    for name in ("undeclared", "declared"):
+    for name in ("undeclared", "declared", "per_stage"):
         torch.manual_seed(10 + mesh.get_local_rank("pp"))
-        with _mode() as mode:
+        # per_stage: each pipeline stage gets its own checker (and its own side group).
+        with _mode(group=mesh["dp"] if name == "per_stage" else None) as mode:
             if name == "declared":
                 with rngcheck.expect("same", group="dp"):  # only data-parallel peers agree
                     torch.nn.functional.dropout(x, 0.5)
@@ -673,6 +674,8 @@ def test_dtensor_pipeline_stages_declared_to_differ(four: Any) -> None:
     for rank, r in four["stage_dims"].items():
         assert "error" not in r, r.get("traceback")
         assert r["declared"]["ok"], (rank, r["declared"]["findings"])
+        assert r["per_stage"]["ok"], (rank, r["per_stage"]["findings"])
+        assert r["per_stage"]["stats"]["exchanges"] == 1  # at exit, within the stage
         f = _only(r["undeclared"])
         assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1, 2, 3]
         assert f["op"] == "aten.bernoulli_.float" and f["site"] == _site(r["undeclared"]["line"])
