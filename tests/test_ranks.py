@@ -739,12 +739,13 @@ def cuda_dtensor_tracker(rank: int, world: int) -> dict[str, Any]:
     """DTensor's OffsetBasedRNGTracker on a CUDA mesh: sharded dropout keeps the mesh in step
     (each shard at its own offset, the same state after); a rank that reseeds breaks it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 
     device = _cuda_device()
     torch.manual_seed(0)
     mesh = init_device_mesh("cuda", (world,))
-    x = distribute_tensor(torch.ones(8, 8, device=device), mesh, [Shard(0)])
+    # from_local: no scatter needed (the process group here is gloo)
+    x = DTensor.from_local(torch.ones(4, 8, device=device), mesh, [Shard(0)], run_check=False)
     torch.nn.functional.dropout(x, 0.5)  # creates the tracker (it broadcasts rank 0's state)
     with _mode(sync="op") as mode:
         torch.nn.functional.dropout(x, 0.5)
