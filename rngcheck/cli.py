@@ -239,7 +239,29 @@ def _op_line(op: Any) -> str:
     return f"{op.call} on {op.generator}, {op.phase}{extra}, state {state}, at {op.site}"
 
 
+def _diff_dirs(a_dir: str, b_dir: str, console: Console, structure_only: bool) -> int:
+    """Two RNGCHECK_TRACE directories: each rank's trace against the same rank's."""
+    names = {
+        side: {os.path.basename(p) for p in glob.glob(os.path.join(d, "*.jsonl"))}
+        for side, d in (("A", a_dir), ("B", b_dir))
+    }
+    if not names["A"] and not names["B"]:
+        raise _UsageError(f"no *.jsonl traces in {a_dir} or {b_dir}")
+    code = EXIT_OK
+    for name in sorted(names["A"] ^ names["B"]):
+        where = b_dir if name in names["A"] else a_dir
+        _print(console, f"rngcheck diff: {name} is missing from {where}")
+        code = EXIT_FOUND
+    for name in sorted(names["A"] & names["B"]):
+        _print(console, f"== {name}", style="bold")
+        a, b = os.path.join(a_dir, name), os.path.join(b_dir, name)
+        code = max(code, _diff(a, b, console, structure_only))
+    return code
+
+
 def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> int:
+    if os.path.isdir(a_path) and os.path.isdir(b_path):
+        return _diff_dirs(a_path, b_path, console, structure_only)
     from .trace import TraceFormatError, first_divergence, read_trace
 
     try:
@@ -327,7 +349,8 @@ def _parser() -> argparse.ArgumentParser:
         "diff",
         help="compare the random-op streams of two traces; show the first divergent op",
         description="Compare two traces (RNGCHECK_TRACE or trace=...) op by op: the op, its "
-        "generator, its arguments, its phase, then the generator state before and after.",
+        "generator, its arguments, its phase, then the generator state before and after. Two "
+        "directories (RNGCHECK_TRACE of two runs): each rank's trace against the same rank's.",
     )
     diff.add_argument("a", metavar="A")
     diff.add_argument("b", metavar="B")

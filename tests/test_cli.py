@@ -285,3 +285,21 @@ def test_a_trace_that_cannot_be_written_warns_and_never_stops_training(tmp_path:
     with warns, rngcheck.RNGConsistencyMode(on_finding="record", trace=str(path)) as mode:
         _training()
     assert mode.report.random_ops == 5 and not path.exists()
+
+
+def test_diff_two_trace_directories_rank_by_rank(tmp_path: Path) -> None:
+    golden, new = tmp_path / "golden", tmp_path / "new"
+    for rank in (0, 1):  # the per-rank files RNGCHECK_TRACE=DIR writes
+        _save_trace(golden / f"rank{rank}.trace.jsonl")
+        _save_trace(new / f"rank{rank}.trace.jsonl", extra_at=3 if rank == 1 else -1)
+    code, out = _cli("diff", str(golden), str(new))
+    assert code == 1
+    assert "== rank0.trace.jsonl\nrngcheck diff: the random-op streams are the same" in out
+    diverged = "rngcheck diff: the random-op streams diverge at random op #3"
+    assert f"== rank1.trace.jsonl\n{diverged}" in out
+    (new / "rank1.trace.jsonl").unlink()
+    code, out = _cli("diff", str(golden), str(new))
+    assert code == 1 and f"rngcheck diff: rank1.trace.jsonl is missing from {new}" in out
+    (new / "rank0.trace.jsonl").rename(new / "rank1.trace.jsonl")
+    (golden / "rank0.trace.jsonl").unlink()
+    assert _cli("diff", str(golden), str(new))[0] == 0
