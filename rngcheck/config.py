@@ -26,6 +26,7 @@ class Config:
     check_recompute: bool = True
     window: int = 4096  # recent events kept in memory
     every: int = 1024  # with sync="step", also exchange after this many random ops
+    every_steps: int = 1  # with sync="step", exchange at every Nth optimizer step only
     timeout: float = 120.0  # seconds a rank waits for the others at an exchange
     trace: str | None = None  # path to write the full random-op trace to (for `rngcheck diff`)
     report_path: str | None = None  # where to write this rank's JSON report
@@ -38,6 +39,7 @@ class Config:
             raise ValueError(f"check_recompute must be True or False; got {self.check_recompute!r}")
         _positive_int("window", self.window)
         _positive_int("every", self.every)
+        _positive_int("every_steps", self.every_steps)
         if (
             isinstance(self.timeout, bool)
             or not isinstance(self.timeout, (int, float))

@@ -7,6 +7,7 @@ Data flows one way: op -> event -> (recompute check | rank exchange) -> finding 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -92,6 +93,9 @@ class RNGConsistencyMode:
         check_recompute: compare each activation-checkpoint recompute with its forward.
         window: how many recent random-op events to keep in memory.
         every: with ``sync="step"``, also exchange after this many random ops.
+        every_steps: with ``sync="step"``, exchange at every Nth optimizer step only, so a long
+            job can keep the checker on cheaply (random ops are still recorded at every step,
+            and the first divergent op is still found exactly).
         timeout: seconds to wait for other ranks at an exchange before a ``rank_missing`` finding.
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
         report_path: a path to write this rank's JSON report to at exit.
@@ -115,6 +119,7 @@ class RNGConsistencyMode:
         check_recompute: bool = True,
         window: int = 4096,
         every: int = 1024,
+        every_steps: int = 1,
         timeout: float = 120.0,
         trace: str | None = None,
         report_path: str | None = None,
@@ -128,6 +133,7 @@ class RNGConsistencyMode:
             check_recompute=check_recompute,
             window=window,
             every=every,
+            every_steps=every_steps,
             timeout=timeout,
             trace=trace,
             report_path=report_path,
@@ -142,6 +148,7 @@ class RNGConsistencyMode:
         self._ranks: Any = None
         self._xla: Any = None  # the torch_xla patches, when torch_xla was imported (see _xla.py)
         self._entered = False
+        self._pid = os.getpid()
         self._warned: set[tuple[str, str]] = set()
         self._dropped_findings = 0
         self._backward_sites: dict[str, list[Any]] = {}
@@ -164,6 +171,7 @@ class RNGConsistencyMode:
                     "entering a new one, or use rngcheck.active_mode() to reach it."
                 )
             self._entered = True
+            self._pid = os.getpid()
             _ACTIVE = self
         try:
             self._load_xla()
@@ -332,6 +340,10 @@ class RNGConsistencyMode:
     # -- the random-op path --------------------------------------------------------------------
 
     def _on_special(self, kind: OpKind, func: Any, args: tuple, kwargs: dict) -> Any:
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker) inherits the pushed mode but not the rank
+            # group's peers: checking there would exchange from the wrong process and hang.
+            return func(*args, **kwargs)
         if kind is OpKind.RANDOM:
             return self._on_random(func, args, kwargs)
         if self._ranks is not None:

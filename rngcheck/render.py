@@ -108,7 +108,8 @@ def render_finding(finding: Finding) -> RenderableType:
         if tb is not None:
             parts.append(Text(f"{label}:", style="bold"))
             parts.append(tb)
-    title = f"rngcheck: {finding.title} [{finding.kind.value}]"
+    # A Text, not a str: "[recompute_mismatch]" would be read as rich markup and vanish.
+    title = Text(f"rngcheck: {finding.title} [{finding.kind.value}]")
     return Panel(Group(*parts), title=title, border_style="red", title_align="left")
 
 

@@ -33,6 +33,7 @@ _INTERNAL_PREFIXES: tuple[str, ...] = tuple(
 # Frames from the test runner and plugin machinery are not the user's line either.
 _INTERNAL_PARTS = (
     f"{os.sep}_pytest{os.sep}",
+    f"{os.sep}pytest{os.sep}",
     f"{os.sep}pluggy{os.sep}",
     f"{os.sep}torch_xla{os.sep}",
     f"{os.sep}hypothesis{os.sep}",

@@ -240,3 +240,37 @@ def test_cuda_graph_capture_reads_no_generator_state():
     assert y.shape == x.shape
     captured = [e for e in mode.events if e.before is None]
     assert captured, "the op inside capture must be recorded without a state read"
+
+
+class _CountingDataset(torch.utils.data.Dataset):
+    """Each item draws a random number and says how many random ops the inherited mode saw."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        mode = rngcheck.active_mode()
+        seen = mode.report.random_ops if mode is not None else -1
+        torch.rand(2)
+        after = mode.report.random_ops if mode is not None else -1
+        return torch.tensor([seen, after])
+
+
+@pytest.mark.skipif(
+    "fork" not in torch.multiprocessing.get_all_start_methods(), reason="needs fork"
+)
+def test_forked_dataloader_workers_pass_ops_through():
+    # A worker forked while the mode is active inherits the pushed dispatch mode; checking there
+    # would exchange with the rank group from the wrong process. The copy must stay inert.
+    loader = torch.utils.data.DataLoader(
+        _CountingDataset(),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        timeout=60,
+    )
+    with rngcheck.RNGConsistencyMode() as mode:
+        items = [item.tolist() for item in loader]
+    assert len(items) == 4
+    assert all(seen == after for seen, after in items), items
+    assert mode.report.ok
