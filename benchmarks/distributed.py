@@ -10,10 +10,13 @@ table reports rank 0 (DDP's all-reduce in every backward keeps the ranks in lock
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -66,14 +69,43 @@ def _rngcheck_available() -> str:
     return ""
 
 
-def _exchange(steps: int, sync: str) -> dict[str, Any]:
-    """The exchange's collectives and bytes per step on a model with no divergence."""
+@contextlib.contextmanager
+def _timed_exchanges() -> Iterator[dict[str, list[float]]]:
+    """Wall and CPU time of each exchange, for attribution only: it wraps a private method of
+    rngcheck.ranks and records nothing if that method is gone."""
+    from rngcheck import ranks
+
+    times: dict[str, list[float]] = {c: [] for c in CLOCKS}
+    original = getattr(ranks.RankChecker, "_exchange_now", None)
+    if original is None:
+        yield times
+        return
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = {c: clock() for c, clock in CLOCKS.items()}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for c, clock in CLOCKS.items():
+                times[c].append(clock() - start[c])
+
+    ranks.RankChecker._exchange_now = timed
+    try:
+        yield times
+    finally:
+        ranks.RankChecker._exchange_now = original
+
+
+def _exchange(steps: int, sync: str, d: int) -> dict[str, Any]:
+    """The exchange's collectives, bytes and time per step on a model with no divergence."""
     import rngcheck
 
-    _model, step = make_step(8, depth=4, batch=8, ddp=True)
-    with rngcheck.RNGConsistencyMode(sync=sync) as mode:
+    _model, step = make_step(d, ddp=True)
+    with _timed_exchanges() as times, rngcheck.RNGConsistencyMode(sync=sync) as mode:
         step()  # the first step: side-group set-up is not per-step cost
         start = _stats(mode)
+        for c in times:
+            times[c].clear()
         for _ in range(steps):
             step()
         end = _stats(mode)
@@ -89,6 +121,8 @@ def _exchange(steps: int, sync: str) -> dict[str, Any]:
         "bytes_per_step": nbytes,
         "bytes_per_call": nbytes / calls if calls else 0.0,
         "slow_calls_per_step": delta["slow_calls"],
+        **{f"{c}_ms_per_step": sum(t) / steps * 1e3 for c, t in times.items() if t},
+        **{f"{c}_us_per_exchange": statistics.median(t) * 1e6 for c, t in times.items() if t},
         "ok": ok,
     }
 
@@ -119,7 +153,10 @@ def _worker(rank: int, world: int, init_file: str, config: dict[str, Any], out_d
                 )
                 result["timing"][d] = t.samples
         if not result["note"]:
-            result["exchange"] = {s: _exchange(config["exchange_steps"], s) for s in ("step", "op")}
+            result["exchange"] = {
+                s: _exchange(config["exchange_steps"], s, config["exchange_d"])
+                for s in ("step", "op")
+            }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
@@ -140,24 +177,23 @@ def run_world(world: int, config: dict[str, Any]) -> dict[str, Any]:
 def run(
     sizes: tuple[int, ...], rounds: int, steps: int, exchange_steps: int, worlds: tuple[int, ...]
 ) -> dict[str, Any]:
-    """2-rank timing on ``sizes``; exchange counters at each world size in ``worlds``."""
+    """2-rank timing on ``sizes``; the exchange on the smallest size at each of ``worlds``."""
+    config = {"exchange_steps": exchange_steps, "exchange_d": min(sizes)}
     timing = run_world(
         2,
         {
+            **config,
             "timing": True,
             "modes": RANK_MODES,
             "sizes": sizes,
             "rounds": rounds,
             "steps": steps,
-            "exchange_steps": exchange_steps,
         },
     )
     exchange = {2: timing.get("exchange")}
     for w in worlds:
         if w != 2 and not timing["note"]:
-            exchange[w] = run_world(w, {"timing": False, "exchange_steps": exchange_steps}).get(
-                "exchange"
-            )
+            exchange[w] = run_world(w, {**config, "timing": False}).get("exchange")
     return {"note": timing["note"], "timing": timing["timing"], "exchange": exchange}
 
 
@@ -218,12 +254,18 @@ def timing_table(result: dict[str, Any]) -> str:
     return markdown_table(header, rows)
 
 
+def _time_cell(e: dict[str, Any], clock: str) -> str:
+    if f"{clock}_ms_per_step" not in e:
+        return ""
+    return f"{e[f'{clock}_ms_per_step']:.2f} ms ({e[f'{clock}_us_per_exchange']:.0f} us)"
+
+
 def exchange_table(result: dict[str, Any]) -> str:
     rows = []
     for world, per_sync in sorted(result["exchange"].items(), key=lambda kv: int(kv[0])):
         for sync, e in (per_sync or {}).items():
             if "error" in e:
-                rows.append([str(world), sync, e["error"], "", "", "", ""])
+                rows.append([str(world), sync, e["error"], "", "", "", "", "", ""])
                 continue
             rows.append(
                 [
@@ -233,6 +275,8 @@ def exchange_table(result: dict[str, Any]) -> str:
                     f"{e['calls_per_step']:.2f}",
                     f"{e['bytes_per_step']:.0f}",
                     f"{e['bytes_per_call']:.0f}",
+                    _time_cell(e, "wall"),
+                    _time_cell(e, "cpu"),
                     "yes" if e["ok"] else "NO",
                 ]
             )
@@ -244,6 +288,8 @@ def exchange_table(result: dict[str, Any]) -> str:
             "collectives per step",
             "bytes sent per step",
             "bytes per collective",
+            "exchange wall time per step (per exchange)",
+            "exchange CPU time per step (per exchange)",
             "no finding",
         ],
         rows,
@@ -252,12 +298,12 @@ def exchange_table(result: dict[str, Any]) -> str:
 
 def section(quick: bool) -> tuple[str, dict[str, Any]]:
     """The several-ranks section of the report: markdown and raw numbers."""
-    rounds, steps = (2, 2) if quick else (10, 8)
+    rounds, steps = (2, 2) if quick else (15, 8)
     result = run(
         (8,) if quick else (32, 128),
         rounds=rounds,
         steps=steps,
-        exchange_steps=2 if quick else 5,
+        exchange_steps=2 if quick else 10,
         worlds=(2,) if quick else (2, 4),
     )
     parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
