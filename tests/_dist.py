@@ -8,8 +8,10 @@ same process group, so a test file pays the torch import and the rendezvous once
 
 Each scenario is called as ``fn(rank, world_size)`` in every rank and returns JSON-able data; the
 parent reads it back from files (never pickle). A scenario that raises returns
-``{"error": type name, "message": text}`` for that rank instead. Every worker runs in its own
-session so a timeout kills the whole process tree and the test fails instead of hanging CI.
+``{"error": type name, "message": text, "traceback": text}`` for that rank instead. A scenario
+marked ``fn.breaks_group = True`` (it leaves the process group unusable, say by a rank that
+stops) ends the launch; put it last. Every worker runs in its own session so a timeout kills the
+whole process tree and the test fails instead of hanging CI.
 
 Run ``python tests/_dist.py MODULE_PATH NAMES OUT_DIR`` with RANK/WORLD_SIZE/MASTER_* set to
 reproduce one rank by hand.
@@ -89,7 +91,7 @@ def run_scenarios(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(_REPO), child_env.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join(p for p in (str(_REPO), child_env.get("PYTHONPATH")) if p),
         )
         err = open(out / f"stderr.{rank}.txt", "wb")  # noqa: SIM115 - closed below
         errs.append(err)
@@ -170,7 +172,8 @@ def _worker(module_path: str, names: list[str], out: Path) -> int:
                 break  # the scenario left the group unusable (a rank that stopped): end here
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
