@@ -121,8 +121,10 @@ def run_scenarios(
     wall = time.monotonic() - start
     stderr = {r: (out / f"stderr.{r}.txt").read_text(errors="replace") for r in range(world_size)}
     if timed_out:
+        done = sorted(f.name for f in out.glob("*.json"))
         raise TimeoutError(
             f"distributed scenarios {list(names)} did not finish within {timeout} s; killed. "
+            f"Results written before that: {done}\n"
             + "\n".join(f"--- rank {r}\n{t[-3000:]}" for r, t in sorted(stderr.items()))
         )
     results: dict[str, dict[int, Any]] = {}
