@@ -436,7 +436,7 @@ class RNGConsistencyMode:
             self._note_backward(event)
         if self.recompute_tracker is not None:
             self.recompute_tracker.on_event(event)
-        if self._ranks is not None and event.expect != "ignore":
+        if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators
             self._ranks.on_event(event, mesh)
 
     def _phase(self) -> Phase:

@@ -288,13 +288,38 @@ def _seed_text(detail: dict[str, Any], event: RandomOpEvent) -> str:
     return "; ".join(c.text for c in calls)
 
 
+def _ignored_text(
+    details: dict[int, dict], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
+) -> str:
+    """Random ops under expect("ignore") that drew from the generator on some ranks only."""
+    parts = []
+    for ranks in (odd, ref):
+        ignored = details[ranks[0]].get("ignored")
+        if ignored:
+            count, op, site = ignored
+            parts.append(
+                f"{_ranks_word(ranks)} drew {count} random op(s) under expect('ignore') from {gen} "
+                f"since its last checked op (the last: {op} at {site})"
+            )
+        else:
+            parts.append(f"{_ranks_word(ranks)} drew none")
+    return (
+        "; ".join(parts) + ". Ignored ops are not compared, but they still advance the generator "
+        "the checked ops draw from: give them their own torch.Generator"
+    )
+
+
 def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, dict]) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     before_differs = len({e.before for e in evs.values()}) > 1
     groups = _groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
     seeds = {g: _seed_text(details[g[0]], evs[g[0]]) for g in groups}
+
+    def suspect(g: tuple[int, ...]) -> bool:  # did something change the generator here?
+        return bool(seeds[g] or details[g[0]].get("ignored"))
+
     culprit = len(groups) - 1 if len(groups[0]) > len(groups[-1]) else 1
-    if len(groups[0]) == len(groups[1]) and seeds[groups[0]] and not seeds[groups[1]]:
+    if len(groups[0]) == len(groups[1]) and suspect(groups[0]) and not suspect(groups[1]):
         culprit = 0
     groups_c = list(groups)
     if culprit == 0:
@@ -318,6 +343,8 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, d
             "(seed + rank) before building a replicated model makes replicas differ; seed every "
             "rank alike, and scope per-rank streams with rngcheck.expect('differ')"
         )
+    elif details[odd.ranks[0]].get("ignored") != details[ref.ranks[0]].get("ignored"):
+        cause = _ignored_text(details, odd.ranks, ref.ranks, gen)
     elif seeds[odd.ranks]:
         cause = f"{_ranks_word(odd.ranks)} changed {gen} outside a random op: {seeds[odd.ranks]}"
     elif ev.out_of_band is not None:

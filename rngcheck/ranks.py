@@ -206,6 +206,8 @@ class RankChecker:
         self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
         self._seen_generators: set[str] = set()
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
+        self._ignored: dict[str, tuple[int, str, str]] = {}  # generator -> ignored ops since
+        self._ignored_before: dict[int, tuple[int, str, str]] = {}  # pending index -> those ops
         self._warned_specs: set[str] = set()
         self._timeout = timedelta(seconds=float(self._cfg.timeout))
         self._hook = None
@@ -222,6 +224,13 @@ class RankChecker:
     def on_event(self, event: RandomOpEvent, mesh: Any = None) -> None:
         if self._stopped or self._busy:
             return
+        if event.expect == "ignore":
+            # Not compared, but it still moves its generator: remembered so that a divergence
+            # it causes in a checked op later can be pinned on it.
+            with self._lock:
+                count = self._ignored.get(_gen_key(event), (0,))[0]
+                self._ignored[_gen_key(event)] = (count + 1, event.op, event.site)
+            return
         with self._lock:
             self._add(event, mesh)
         if self._cfg.sync == "op":
@@ -237,12 +246,13 @@ class RankChecker:
         stream = _text_hash(policy, ",".join(map(str, members))) if members else 0
         if members:
             self._stream_members[stream] = members
-        # Each rank drives its own device (cuda:0 on rank 0, cuda:1 on rank 1): compare by type.
-        ident = event.generator
-        gen = f"{ident.kind}#{ident.number}:{ident.device.split(':')[0]}"
+        gen = _gen_key(event)
         if gen not in self._seen_generators:
             self._seen_generators.add(gen)
             self._first_use.add(len(self._pending))
+        ignored = self._ignored.pop(gen, None)
+        if ignored is not None:
+            self._ignored_before[len(self._pending)] = ignored
         self._pending.append(event)
         self._rows.append(
             (
@@ -407,6 +417,7 @@ class RankChecker:
         self._rows = []
         self._pending = []
         self._first_use = set()
+        self._ignored_before = {}
 
     def _fast_vector(
         self, point: Point, rows: list[tuple[int, ...]]
@@ -510,6 +521,7 @@ class RankChecker:
             "event": events[index].to_dict() if 0 <= index < len(events) else None,
             "point": point_text(points[self.rank], where, stack),
             "seed_calls": self._seed_calls(events[index]) if index in self._first_use else [],
+            "ignored": self._ignored_before.get(index),
         }
         details = self._gather_text(json.dumps(blob))
         self._stopped = True  # one report, then no more exchanges: later ops would all differ
@@ -607,6 +619,13 @@ class RankChecker:
 
 class _PeerLost(Exception):
     """A side-group collective failed: a rank timed out or went away (gloo's RuntimeError)."""
+
+
+def _gen_key(event: RandomOpEvent) -> str:
+    """A generator's name across ranks. Each rank drives its own device (cuda:0 on rank 0,
+    cuda:1 on rank 1), so devices compare by type."""
+    ident = event.generator
+    return f"{ident.kind}#{ident.number}:{ident.device.split(':')[0]}"
 
 
 def _mismatched(vec: torch.Tensor) -> bool:

@@ -199,6 +199,22 @@ def dataloader_one_rank(rank: int, world: int) -> dict[str, Any]:
     return {**_summary(mode), "line": locals().get("line")}
 
 
+def ignored_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """An ignored block that draws from the default generator on rank 0 only (an eval sample)."""
+    import rngcheck
+
+    torch.manual_seed(0)
+    with _mode() as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if rank == 0:
+            with rngcheck.expect("ignore"):
+                ignored_line = _line()
+                torch.rand(3)  # not compared, but it moves the default generator on rank 0
+        _train_step(model, opt)
+    return {**_summary(mode), "ignored_line": locals().get("ignored_line")}
+
+
 def differ_streams(rank: int, world: int) -> dict[str, Any]:
     import rngcheck
 
@@ -440,6 +456,7 @@ _TWO = [
     "step_every",
     "exit_vs_barrier",
     "pair_streams",
+    "ignored_on_one_rank",
     "destroyed_inside",
 ]
 _FOUR = [
@@ -568,6 +585,20 @@ def test_dataloader_iterated_on_one_rank(two: Any) -> None:
         assert "rank 0 ran an extra random op" in f["cause"]
         assert "DataLoader iterator" in f["cause"]
         assert f["sides"][1]["ranks"] == [0]
+
+
+def test_an_ignored_block_that_draws_on_one_rank(two: Any) -> None:
+    results = two["ignored_on_one_rank"]
+    line = results[0]["ignored_line"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state"
+        assert f["op"] == "aten.bernoulli_.float"  # the next checked op on that generator
+        assert [s["ranks"] for s in f["sides"]] == [[1], [0]]  # rank 0 is the divergent side
+        assert (
+            f"rank 0 drew 1 random op(s) under expect('ignore') from default cpu since its last "
+            f"checked op (the last: aten.rand.default at {_site(line)})"
+        ) in f["cause"]
 
 
 def test_differ_streams_collide(two: Any) -> None:
