@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import inspect
 import logging
 import os
 import signal
@@ -250,8 +249,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     enabled = bool(values.get("RNGCHECK", False))
     if enabled and unknown:
         raise EnvError(
-            f"unknown variable {unknown[0]} (a typo?): rngcheck reads "
-            + ", ".join(VARIABLES)
+            f"unknown variable {unknown[0]} (a typo?): rngcheck reads " + ", ".join(VARIABLES)
         )
     rank = _env_int(environ, "RANK", 0)
     world_size = _env_int(environ, "WORLD_SIZE", 1)
@@ -324,17 +322,7 @@ class Activation:
         from .mode import RNGConsistencyMode
 
         self.settings = settings
-        kwargs = dict(settings.mode_kwargs)
-        if "every_steps" in inspect.signature(RNGConsistencyMode).parameters:
-            kwargs["every_steps"] = settings.every_steps
-        elif settings.every_steps > 1:
-            # The rank checker exchanges at every optimizer step itself; say so rather than
-            # pretend the stride is honoured.
-            sys.stderr.write(
-                f"rngcheck: RNGCHECK_EVERY={settings.every_steps} is not supported by this "
-                "version's rank checker: exchanging at every optimizer step\n"
-            )
-        self.mode = RNGConsistencyMode(**kwargs)
+        self.mode = RNGConsistencyMode(**settings.mode_kwargs, every_steps=settings.every_steps)
         report = self.mode.report
         report.rank, report.world_size = settings.rank, settings.world_size
         report.meta.update(
@@ -520,10 +508,8 @@ class Activation:
         self._previous_excepthook(exc_type, exc, tb)
 
     def _renders(self, finding: Any) -> bool:
-        """One merged rendering: the lowest rank involved in a finding draws it."""
-        if not finding.ranks:
-            return True
-        return self.mode.report.rank == min(finding.ranks)
+        """One merged rendering: the mode's rule (the rank checker's, with several ranks)."""
+        return self.mode._should_render(finding)
 
     def stop(self, reason: str = "stop()") -> None:
         """End the checking now: final exchange, report and trace written. Raises a finding's

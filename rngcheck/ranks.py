@@ -210,6 +210,11 @@ class RankChecker:
         self._ignored_before: dict[int, tuple[int, str, str]] = {}  # pending index -> those ops
         self._warned_specs: set[str] = set()
         self._timeout = timedelta(seconds=float(self._cfg.timeout))
+        # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
+        # rows and treat no collective as an alignment point, so they cost nothing here; a
+        # divergence that starts on one still shows at the next checked step (the states differ).
+        self._steps = 0
+        self._checking = True
         self._hook = None
         if self._cfg.sync == "step":
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -222,7 +227,7 @@ class RankChecker:
     # -- inputs from the mode ----------------------------------------------------------------
 
     def on_event(self, event: RandomOpEvent, mesh: Any = None) -> None:
-        if self._stopped or self._busy:
+        if self._stopped or self._busy or not self._checking:
             return
         if event.expect == "ignore":
             # Not compared, but it still moves its generator: remembered so that a divergence
@@ -270,10 +275,14 @@ class RankChecker:
         return op_mesh(args, kwargs)
 
     def on_collective(self, func: Any) -> None:
-        self._exchange(Point.COLLECTIVE, str(func))
+        if self._checking:
+            self._exchange(Point.COLLECTIVE, str(func))
 
     def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
+        if self._checking:
+            self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
+        self._steps += 1
+        self._checking = self._steps % self._cfg.every_steps == 0
 
     def check(self) -> None:
         self._exchange(Point.CHECK, "mode.check()")

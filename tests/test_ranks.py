@@ -293,6 +293,31 @@ def step_every(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
+def every_third_step(rank: int, world: int) -> dict[str, Any]:
+    """every_steps=3: steps 0 and 3 are checked; rank 1 drifts on unchecked step 1."""
+    out = {}
+    torch.manual_seed(0)
+    with _mode(every_steps=3) as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(6):
+            _train_step(model, opt)
+    out["clean"] = _summary(mode)
+
+    def drift(notes: dict[str, Any]) -> None:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            if step == 1 and rank == 1:
+                torch.rand(1)  # drawn on an unchecked step: seen at the next checked one
+            notes[f"done{step}"] = True
+            _train_step(model, opt)
+
+    torch.manual_seed(0)
+    out["drift"] = _raising(drift, every_steps=3)
+    return out
+
+
 def subgroups(rank: int, world: int) -> dict[str, Any]:
     """Ranks 0,1 replicate a stream; ranks 2,3 must keep theirs apart."""
     import torch.distributed as dist
@@ -454,6 +479,7 @@ _TWO = [
     "dtensor_replicate",
     "op_sync_before_collective",
     "step_every",
+    "every_third_step",
     "exit_vs_barrier",
     "pair_streams",
     "ignored_on_one_rank",
@@ -510,6 +536,22 @@ def test_clean_training_reports_nothing(two: Any) -> None:
             assert r["world_size"] == 2 and r["rank"] == rank
             assert r["stats"]["mismatches"] == 0 and r["stats"]["slow_calls"] == 0
             assert r["rendered"] == ""
+
+
+def test_every_steps_checks_only_every_nth_step_and_still_finds_a_drift(two: Any) -> None:
+    for r in two["every_third_step"].values():
+        clean, drift = r["clean"], r["drift"]
+        assert "error" not in clean and "error" not in drift, r
+        assert clean["ok"], clean["findings"]
+        # Six steps, two checked (0 and 3): their all_reduce points and optimizer steps
+        # exchange (3 parameters + step = 4 each), plus the final exchange at exit.
+        assert clean["stats"]["exchanges"] == 2 * 5 + 1, clean["stats"]
+        # The extra draw on step 1 is not seen until step 3, the next checked step.
+        assert drift["raised"] == "RankDivergenceError"
+        assert drift.get("done3") and not drift.get("done4")
+        (f,) = drift["findings"]
+        assert f["kind"] == "rank_divergence" and sorted(f["ranks"]) == [0, 1]
+        assert f["differs"] in ("state", "state before"), f
 
 
 def test_process_group_destroyed_inside_the_block(two: Any) -> None:
