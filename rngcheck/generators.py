@@ -26,10 +26,12 @@ __all__ = [
     "tensor_digest",
 ]
 
-# Outputs larger than this are fingerprinted from an evenly strided sample: a different dropout
-# mask differs in a fraction p of its elements, so 64k samples still tell two masks apart, while
-# hashing a 256 MB activation in full would cost a quarter of a second per op.
-_FULL_DIGEST_MAX_ELEMENTS = 1 << 16
+# Outputs larger than this are fingerprinted from an evenly strided sample: two different dropout
+# masks differ in a fraction of about 2p(1-p) of their elements, and an output computed from a
+# different input differs almost everywhere, so 1024 samples still tell them apart (two p=0.01
+# masks look alike with probability 0.98**1024, about 1e-9), while hashing a whole activation
+# costs time that grows with the model (~25 us for 32 KB here, a quarter second for 256 MB).
+_FULL_DIGEST_MAX_ELEMENTS = 1 << 10
 
 
 def bytes_digest(buffer: Any) -> int:
@@ -103,22 +105,15 @@ def tensor_digest(value: Any) -> int | LazyDigest | None:
         parts.append(t)
     if not parts:
         return None
+    if all(t.device.type == "cpu" for t in parts):
+        h = hashlib.blake2b(digest_size=8)
+        for t in parts:
+            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            h.update(_cpu_sample(t))
+        return int.from_bytes(h.digest(), "little", signed=True)
     # The checker's own reads must not be seen by other dispatch modes (a FlopCounterMode below
     # ours would count them) nor by autograd.
     with torch._C._DisableTorchDispatch(), torch.no_grad():
-        if all(t.device.type == "cpu" for t in parts):
-            h = hashlib.blake2b(digest_size=8)
-            for t in parts:
-                flat = t.detach().reshape(-1)
-                if flat.numel() > _FULL_DIGEST_MAX_ELEMENTS:
-                    step = flat.numel() // _FULL_DIGEST_MAX_ELEMENTS + 1
-                    flat = flat[::step]
-                flat = flat.contiguous()
-                h.update(repr((tuple(t.shape), str(t.dtype))).encode())
-                nbytes = flat.numel() * flat.element_size()
-                if nbytes:
-                    h.update((ctypes.c_char * nbytes).from_address(flat.data_ptr()))
-            return int.from_bytes(h.digest(), "little", signed=True)
         total = None
         for t in parts:
             flat = t.detach().reshape(-1)
@@ -131,6 +126,32 @@ def tensor_digest(value: Any) -> int | LazyDigest | None:
             total = folded if total is None else total * 1000003 + folded
         assert total is not None
         return LazyDigest(total)
+
+
+_ITEM_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+
+def _cpu_sample(t: torch.Tensor) -> bytes | memoryview:
+    """A CPU tensor's bytes, or an evenly strided sample of its elements, read in place.
+
+    A contiguous tensor is read through a memoryview (no tensor op, no dispatch); others are
+    made contiguous first, with our own ops hidden from every dispatch mode and from autograd.
+    """
+    numel = t.numel()
+    if numel == 0:
+        return b""
+    if not t.is_contiguous() or t.element_size() not in _ITEM_FORMATS:
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            flat = t.detach().reshape(-1)
+            if numel > _FULL_DIGEST_MAX_ELEMENTS:
+                flat = flat[:: numel // _FULL_DIGEST_MAX_ELEMENTS + 1]
+            t = flat.contiguous()
+        numel = t.numel()
+    size = t.element_size()
+    view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr())).cast("B")
+    if numel <= _FULL_DIGEST_MAX_ELEMENTS:
+        return view
+    return view.cast(_ITEM_FORMATS[size])[:: numel // _FULL_DIGEST_MAX_ELEMENTS + 1].tobytes()
 
 
 def _as_int(flat: torch.Tensor) -> torch.Tensor:
@@ -300,7 +321,16 @@ def _device_str(device: torch.device) -> str:
 class _Tracked:
     """What the registry knows about one generator: its name, its last digest, its seed."""
 
-    __slots__ = ("ident", "handle", "adapter", "last_after", "initial_seed", "seed_mark")
+    __slots__ = (
+        "ident",
+        "handle",
+        "adapter",
+        "last_after",
+        "initial_seed",
+        "seed_mark",
+        "_raw",
+        "_raw_digest",
+    )
 
     def __init__(self, ident: GeneratorId, handle: Any, adapter: DeviceAdapter) -> None:
         self.ident = ident
@@ -309,6 +339,24 @@ class _Tracked:
         self.last_after: int | None = None
         self.initial_seed: int | None = None
         self.seed_mark = 0  # the seeding-call counter at this generator's last op
+        self._raw = b""  # the CPU state bytes last read, and their digest
+        self._raw_digest: int | None = None
+
+    def read(self) -> int | None:
+        """The digest of the generator's state now (None: unreadable at the moment).
+
+        A CPU state is 5,056 bytes; the state before an op is nearly always the bytes read after
+        the previous one, so comparing the bytes (well under a microsecond) spares hashing them
+        a second time.
+        """
+        handle = self.handle
+        if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
+            state = handle.get_state()
+            raw = bytes((ctypes.c_char * state.numel()).from_address(state.data_ptr()))
+            if raw != self._raw:
+                self._raw, self._raw_digest = raw, bytes_digest(raw)
+            return self._raw_digest
+        return self.adapter.digest(handle)
 
 
 def _cdata(gen: Any) -> int | None:

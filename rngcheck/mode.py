@@ -365,8 +365,7 @@ class RNGConsistencyMode:
             tracked = registry.default(device)  # torch_xla was imported after the mode started
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
-        digest = tracked.adapter.digest
-        before = digest(tracked.handle)
+        before = tracked.read()
         oob = None
         if before is not None and tracked.last_after is not None and before != tracked.last_after:
             oob = self._out_of_band(tracked)
@@ -374,7 +373,7 @@ class RNGConsistencyMode:
 
         out = func(*args, **kwargs)
 
-        after = digest(tracked.handle)
+        after = tracked.read()
         tracked.last_after = after
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):

@@ -81,9 +81,15 @@ def op_name(func: Any) -> str:
     return str(func)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_ARG_NAMES: dict[Any, tuple[str, ...]] = {}
+
+
 def _describe_value(value: Any) -> str | None:
     if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
+        dtype = _DTYPE_NAMES.get(value.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[value.dtype] = str(value.dtype).removeprefix("torch.")
         return f"{dtype}{list(value.shape)}"
     if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
         return str(value).removeprefix("torch.") if not isinstance(value, str) else repr(value)
@@ -99,13 +105,16 @@ def _describe_value(value: Any) -> str | None:
 
 def summarize_args(func: Any, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """A readable, comparable summary: tensor dtypes and shapes, scalars by name (``p=0.1``)."""
-    schema_args = getattr(getattr(func, "_schema", None), "arguments", ())
+    names = _ARG_NAMES.get(func)
+    if names is None:
+        schema_args = getattr(getattr(func, "_schema", None), "arguments", ())
+        names = _ARG_NAMES[func] = tuple(a.name for a in schema_args)
     out: list[str] = []
     for i, value in enumerate(args):
         text = _describe_value(value)
         if text is None:
             continue
-        name = schema_args[i].name if i < len(schema_args) else f"arg{i}"
+        name = names[i] if i < len(names) else f"arg{i}"
         out.append(text if isinstance(value, torch.Tensor) else f"{name}={text}")
     for name, value in kwargs.items():
         if name in ("generator", "pin_memory", "memory_format"):

@@ -111,8 +111,10 @@ class RecomputeTracker:
         return any(phase is Phase.RECOMPUTE for _, phase in self._local.active)
 
     def innermost(self) -> str:
+        # The name ("checkpoint #3"), not the title: a title summarises the region's captured
+        # stack, which costs more than the rest of a random op's bookkeeping together.
         active = self._local.active
-        return active[-1][0].title if active else ""
+        return active[-1][0].name if active else ""
 
     # -- installing the hooks into torch.utils.checkpoint ---------------------------------------
 

@@ -104,7 +104,13 @@ class SeedCallLog:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def since(self, mark: int, device: str) -> tuple[SeedCall, ...]:
-        return tuple(c for n, aff, c in self._calls if n > mark and _affects(aff, device))
+        found = []
+        for n, affects, call in reversed(self._calls):  # newest first: stop at the mark
+            if n <= mark:
+                break
+            if _affects(affects, device):
+                found.append(call)
+        return tuple(reversed(found))
 
     def install(self) -> None:
         for target in _TARGETS:

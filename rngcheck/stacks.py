@@ -7,6 +7,7 @@ plain :class:`Frame` records the first time anything reads it.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import sysconfig
@@ -45,6 +46,7 @@ _INTERNAL_PARTS = (
 _MODE_HOOKS = frozenset({"__torch_dispatch__", "__torch_function__"})
 
 
+@functools.lru_cache(maxsize=4096)  # a program has few source files; abspath is not free
 def is_internal_file(filename: str) -> bool:
     """Whether a frame in ``filename`` belongs to torch, rngcheck, the stdlib or a test runner."""
     if filename.startswith("<"):
