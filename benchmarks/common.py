@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -232,8 +233,36 @@ def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (
         f"{cpu}, {os.cpu_count()} cores (load {load:.1f}), torch {torch.__version__}, "
-        f"Python {platform.python_version()}, torch.set_num_threads({torch.get_num_threads()})"
+        f"Python {platform.python_version()}, torch.set_num_threads({torch.get_num_threads()}), "
+        f"rngcheck {_revision()}"
     )
+
+
+def _revision() -> str:
+    """The rngcheck commit measured ("1d606a6", "+ local changes" when its tree is dirty)."""
+    import rngcheck
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(rngcheck.__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "rngcheck"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return rngcheck.__version__
+    return f"at {head}" + (" + local changes" if dirty else "")
 
 
 @dataclass(frozen=True, slots=True)
