@@ -243,23 +243,14 @@ def _revision() -> str:
     import rngcheck
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(rngcheck.__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "rngcheck"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "rngcheck")
     except (OSError, subprocess.SubprocessError):
         return rngcheck.__version__
     return f"at {head}" + (" + local changes" if dirty else "")
