@@ -350,19 +350,37 @@ class RNGConsistencyMode:
             self._ranks.on_collective(func)
         return func(*args, **kwargs)
 
-    def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _tracked(self, args: tuple, kwargs: dict, device: torch.device) -> Any:
+        """The registry entry of the generator an op draws from, or None (no adapter)."""
         gen_arg = op_generator(args, kwargs)
+        if gen_arg is not None:
+            return self._generators.user(gen_arg, _first_use_site)
+        tracked = self._generators.default(device)
+        if tracked is None and device.type == "xla" and self._load_xla():
+            tracked = self._generators.default(device)  # torch_xla imported after the mode began
+        return tracked
+
+    def _event(
+        self, func: Any, args: tuple, kwargs: dict, tracked: Any, **fields: Any
+    ) -> RandomOpEvent:
+        tracker = self.recompute_tracker
+        return RandomOpEvent(
+            seq=self._window.total,
+            op=op_name(func),
+            generator=tracked.ident,
+            device=tracked.ident.device,
+            args=summarize_args(func, args, kwargs),
+            stack=Stack.capture(),
+            expect=self._expectation(),
+            region=tracker.innermost() if tracker is not None else "",
+            **fields,
+        )
+
+    def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
         device = op_device(args, kwargs)
         if device.type == "meta":
             return func(*args, **kwargs)
-        registry = self._generators
-        tracked = (
-            registry.user(gen_arg, _first_use_site)
-            if gen_arg is not None
-            else registry.default(device)
-        )
-        if tracked is None and device.type == "xla" and self._load_xla():
-            tracked = registry.default(device)  # torch_xla was imported after the mode started
+        tracked = self._tracked(args, kwargs, device)
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
         before = tracked.read()
@@ -380,20 +398,16 @@ class RNGConsistencyMode:
             tracked.initial_seed = tracked.handle.initial_seed()
         tracker = self.recompute_tracker
         in_region = tracker is not None and tracker.active()
-        event = RandomOpEvent(
-            seq=self._window.total,
-            op=op_name(func),
-            generator=tracked.ident,
-            device=tracked.ident.device,
-            args=summarize_args(func, args, kwargs),
+        event = self._event(
+            func,
+            args,
+            kwargs,
+            tracked,
             before=before,
             after=after,
             phase=self._phase(),
-            stack=Stack.capture(),
-            expect=self._expectation(),
             output=tensor_digest(out) if in_region else None,
             out_of_band=oob,
-            region=tracker.innermost() if in_region else "",
         )
         # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's group.
         self._record(event, self._ranks.mesh_of(args, kwargs) if self._ranks is not None else None)
@@ -401,32 +415,19 @@ class RNGConsistencyMode:
 
     def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A random op that a selective-checkpoint cache answered without running it."""
-        device = op_device(args, kwargs)
-        gen_arg = op_generator(args, kwargs)
-        registry = self._generators
-        tracked = (
-            registry.user(gen_arg, _first_use_site)
-            if gen_arg is not None
-            else registry.default(device)
-        )
-        if tracked is None:
-            return
-        tracker = self.recompute_tracker
-        event = RandomOpEvent(
-            seq=self._window.total,
-            op=op_name(func),
-            generator=tracked.ident,
-            device=tracked.ident.device,
-            args=summarize_args(func, args, kwargs),
-            before=None,
-            after=None,
-            phase=Phase.RECOMPUTE,
-            stack=Stack.capture(),
-            expect=self._expectation(),
-            cached=True,
-            region=tracker.innermost() if tracker is not None else "",
-        )
-        self._record(event)
+        tracked = self._tracked(args, kwargs, op_device(args, kwargs))
+        if tracked is not None:
+            event = self._event(
+                func,
+                args,
+                kwargs,
+                tracked,
+                before=None,
+                after=None,
+                phase=Phase.RECOMPUTE,
+                cached=True,
+            )
+            self._record(event)
 
     def _record(self, event: RandomOpEvent, mesh: Any = None) -> None:
         self._window.add(event)
