@@ -168,8 +168,11 @@ def _context_table(console: Console, merged: _MergedFinding, several: bool) -> N
         return
     _print(console, f"  random ops around it{on}:")
     for row in rows:
-        _print(console, f"  {row[0]:1} #{row[1]:>5} {row[2]} on {row[3]}, {row[4]}, state "
-               f"{row[5]}, at {row[6]}")
+        _print(
+            console,
+            f"  {row[0]:1} #{row[1]:>5} {row[2]} on {row[3]}, {row[4]}, state "
+            f"{row[5]}, at {row[6]}",
+        )
 
 
 def _show(paths: Sequence[str], console: Console, context: bool) -> int:

@@ -103,8 +103,36 @@ def _describe_value(value: Any) -> str | None:
     return type(value).__name__
 
 
+_SUMMARIES: dict[tuple, tuple[str, ...]] = {}
+
+
+def _summary_key(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.shape)
+    return (type(v), v)  # the type too: True, 1 and 1.0 are equal keys but print differently
+
+
 def summarize_args(func: Any, args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """A readable, comparable summary: tensor dtypes and shapes, scalars by name (``p=0.1``)."""
+    """A readable, comparable summary: tensor dtypes and shapes, scalars by name (``p=0.1``).
+
+    Memoised: a training loop calls the same ops with the same shapes at every step."""
+    try:
+        key = (
+            func,
+            *[_summary_key(v) for v in args],
+            *[(k, _summary_key(v)) for k, v in kwargs.items() if k != "generator"],
+        )
+        hit = _SUMMARIES.get(key)
+    except TypeError:  # an unhashable argument (a list of tensors): summarise every time
+        return _summarize_args(func, args, kwargs)
+    if hit is None:
+        if len(_SUMMARIES) >= 4096:
+            _SUMMARIES.clear()
+        hit = _SUMMARIES[key] = _summarize_args(func, args, kwargs)
+    return hit
+
+
+def _summarize_args(func: Any, args: tuple, kwargs: dict) -> tuple[str, ...]:
     names = _ARG_NAMES.get(func)
     if names is None:
         schema_args = getattr(getattr(func, "_schema", None), "arguments", ())

@@ -42,7 +42,7 @@ from .events import Phase, RandomOpEvent
 from .ops import OpKind, classify
 from .recompute_causes import control_flow_cause, first_difference, likely_cause
 from .report import Finding, FindingKind, Side
-from .stacks import Stack
+from .stacks import user_site
 
 __all__ = ["CheckpointRegion", "RecomputeTracker", "checkpoint_region"]
 
@@ -62,7 +62,7 @@ class Region:
     number: int
     kind: str  # "non-reentrant", "reentrant", or "custom"
     name: str
-    stack: Stack
+    site: str  # "train.py:40": the user's line that entered the region
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     devices: tuple[str, ...] = ()  # device types of the tensor arguments (what torch stashes)
     forward: list[RandomOpEvent] = field(default_factory=list)
@@ -70,14 +70,9 @@ class Region:
     failed: bool = False  # a mismatch was reported: do not report this region again
     truncated: bool = False
 
-    _title: str = ""
-
     @property
     def title(self) -> str:
-        # Every random op inside the region is labelled with it: summarise the stack once.
-        if not self._title:
-            self._title = f"{self.name} ({self.kind}) at {self.stack.describe()}"
-        return self._title
+        return f"{self.name} ({self.kind}) at {self.site}"
 
 
 class _Local(threading.local):
@@ -111,10 +106,10 @@ class RecomputeTracker:
         return any(phase is Phase.RECOMPUTE for _, phase in self._local.active)
 
     def innermost(self) -> str:
-        # The name ("checkpoint #3"), not the title: a title summarises the region's captured
-        # stack, which costs more than the rest of a random op's bookkeeping together.
+        # The title, with the user's line: cheap now that a region finds its site by a frame
+        # walk when it is made (summarising a captured stack here cost ~45 us per region).
         active = self._local.active
-        return active[-1][0].name if active else ""
+        return active[-1][0].title if active else ""
 
     # -- installing the hooks into torch.utils.checkpoint ---------------------------------------
 
@@ -198,7 +193,7 @@ class RecomputeTracker:
             number=number,
             kind=kind,
             name=name or f"checkpoint #{number}",
-            stack=Stack.capture(),
+            site=user_site(),
             preserve_rng_state=preserve_rng_state,
             devices=tuple(devices),
         )

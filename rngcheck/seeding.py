@@ -136,12 +136,16 @@ class SeedCallLog:
             if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
                 caller = sys._getframe(1).f_code.co_filename
                 self.counter += 1
+                by_torch = target.library or (
+                    is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)
+                )
+                # The library's own calls (checkpoint's restore, fork_rng) are only ever named by
+                # their API in findings; capturing their stacks cost ~5 us twice per region.
                 call = SeedCall(
                     api=api,
                     argument=target.describe(args, kwargs),
-                    stack=Stack.capture(),
-                    by_torch=target.library
-                    or (is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)),
+                    stack=Stack.empty() if by_torch else Stack.capture(),
+                    by_torch=by_torch,
                 )
                 self._calls.append((self.counter, target.affects, call))
             self._depth += 1

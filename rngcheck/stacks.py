@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import sys
 import sysconfig
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,18 @@ class Frame:
             line=str(data.get("line", "")),
             user=bool(data.get("user", True)),
         )
+
+
+def user_site(skip: int = 0) -> str:
+    """``file.py:12`` of the caller's innermost user frame, found by walking the live frames
+    (a couple of microseconds: no stack is captured or summarised)."""
+    frame = sys._getframe(skip + 1)
+    while frame is not None:
+        code = frame.f_code
+        if not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS:
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 class Stack:
