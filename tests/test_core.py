@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from _recompute_util import marked_line
 
 import rngcheck
 from rngcheck.generators import GeneratorRegistry, state_digest
@@ -18,13 +19,9 @@ from rngcheck.ops import OpKind, classify, register_random_op, summarize_args
 THIS = os.path.basename(__file__)
 
 
-def _line_of(marker: str) -> int:
-    """The line number of the source line in this file that contains ``marker``."""
-    with open(__file__, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_line_of(" not in line:
-                return i
-    raise AssertionError(marker)
+def _at(marker: str) -> int:
+    """The line number of this file's line ending in ``# <- marker``."""
+    return marked_line(marker, __file__)[1]
 
 
 # -- the op table ---------------------------------------------------------------------------------
@@ -157,14 +154,14 @@ def test_events_name_the_generator_each_op_drew_from():
     g = torch.Generator().manual_seed(1)
     with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
         torch.rand(3)
-        torch.randn(2, generator=g)  # user-generator-line
+        torch.randn(2, generator=g)  # <- user-generator-line
         torch.empty(4).uniform_(generator=g)
-        torch.nn.functional.dropout(torch.ones(8), 0.5)
+        torch.nn.functional.dropout(torch.ones(8), 0.5)  # <- dropout-op
     events = mode.events
     assert [e.generator.label for e in events] == [
         "default cpu",
-        f"Generator #1 (cpu, first used at {THIS}:{_line_of('# user-generator-line')})",
-        f"Generator #1 (cpu, first used at {THIS}:{_line_of('# user-generator-line')})",
+        f"Generator #1 (cpu, first used at {THIS}:{_at('user-generator-line')})",
+        f"Generator #1 (cpu, first used at {THIS}:{_at('user-generator-line')})",
         "default cpu",
     ]
     assert [e.op for e in events] == [
@@ -177,7 +174,7 @@ def test_events_name_the_generator_each_op_drew_from():
     assert events[1].after == events[2].before
     assert events[0].after == events[3].before
     assert all(e.phase is rngcheck.Phase.FORWARD for e in events)
-    assert events[3].site == f"{THIS}:{_line_of('functional.dropout(torch.ones(8), 0.5)')}"
+    assert events[3].site == f"{THIS}:{_at('dropout-op')}"
 
 
 def test_factory_ops_in_place_and_out_variants_are_seen():
@@ -224,20 +221,20 @@ def test_backward_phase_is_recorded():
 def test_out_of_band_reseed_is_attributed_to_its_call_site():
     with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
         torch.rand(3)
-        torch.manual_seed(5)  # reseed-here
+        torch.manual_seed(5)  # <- reseed-here
         torch.rand(3)
         torch.rand(3)
-        torch.set_rng_state(torch.Generator().manual_seed(1).get_state())  # set-state-here
+        torch.set_rng_state(torch.Generator().manual_seed(1).get_state())  # <- set-state-here
         torch.rand(3)
     e = mode.events
     assert e[0].out_of_band is None and e[2].out_of_band is None
     calls = e[1].out_of_band.user_calls
     assert [c.api for c in calls] == ["torch.manual_seed"]
     assert calls[0].argument == "5"
-    assert calls[0].stack.describe() == f"{THIS}:{_line_of('# reseed-here')}"
+    assert calls[0].stack.describe() == f"{THIS}:{_at('reseed-here')}"
     calls = e[3].out_of_band.user_calls
     assert [c.api for c in calls] == ["torch.set_rng_state"]
-    assert calls[0].stack.describe() == f"{THIS}:{_line_of('# set-state-here')}"
+    assert calls[0].stack.describe() == f"{THIS}:{_at('set-state-here')}"
     assert "torch.manual_seed(5) at" in e[1].out_of_band.describe()
     assert mode.report.ok  # seeding on its own is not a finding
 

@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from _recompute_util import marked_line
 from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 
@@ -18,12 +19,9 @@ from rngcheck.report import format_ranks
 THIS = os.path.basename(__file__)
 
 
-def _line(marker: str) -> int:
-    with open(__file__, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_line(" not in line:
-                return i
-    raise AssertionError(marker)
+def _at(marker: str) -> int:
+    """The line number of this file's line ending in ``# <- marker``."""
+    return marked_line(marker, __file__)[1]
 
 
 def _buggy_step(gen: torch.Generator) -> None:
@@ -31,10 +29,10 @@ def _buggy_step(gen: torch.Generator) -> None:
     layer = torch.nn.Linear(8, 8)
 
     def block(x):
-        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # the-random-op
+        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # <- the-random-op
 
     x = torch.randn(4, 8, requires_grad=True)
-    checkpoint(block, x, use_reentrant=False).sum().backward()  # the-backward
+    checkpoint(block, x, use_reentrant=False).sum().backward()  # <- the-backward
 
 
 def _record_finding() -> rngcheck.Finding:
@@ -49,13 +47,13 @@ def test_finding_fields_point_at_the_user_line():
     assert finding.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH
     assert finding.op == "aten.rand.generator"
     assert finding.differs == "state"
-    assert finding.stack.call_site.short_location == f"{THIS}:{_line('# the-random-op')}"
+    assert finding.stack.call_site.short_location == f"{THIS}:{_at('the-random-op')}"
     assert finding.stack.call_site.name == "block"
     # Torch internals are filtered from the user frames, and the other side's stack goes
     # through the user's backward() call.
     assert all("torch" + os.sep not in f.filename for f in finding.stack.user_frames)
     lines = [f.lineno for f in finding.other_stack.user_frames]
-    assert _line("# the-backward") in lines and _line("# the-random-op") in lines
+    assert _at("the-backward") in lines and _at("the-random-op") in lines
     assert [s.label for s in finding.sides] == ["forward", "recompute"]
     assert "generator=" in finding.cause and "torch.utils.checkpoint" in finding.cause
 
@@ -71,11 +69,11 @@ def test_raise_renders_then_raises_the_kind_specific_error():
     err = info.value
     assert isinstance(err, rngcheck.RNGCheckError)
     assert err.finding.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH
-    assert f"{THIS}:{_line('# the-random-op')}" in str(err)
+    assert f"{THIS}:{_at('the-random-op')}" in str(err)
     assert "Likely cause:" in str(err)
     text = out.getvalue()
     assert "checkpoint recompute drew different random numbers" in text
-    assert f'{THIS}", line {_line("# the-random-op")}' in text
+    assert f'{THIS}", line {_at("the-random-op")}' in text
 
 
 def test_warn_warns_once_per_call_site_at_the_user_line():
@@ -90,7 +88,7 @@ def test_warn_warns_once_per_call_site_at_the_user_line():
     assert len(mode.report.findings) == 3
     assert len(ours) == 1
     assert os.path.basename(ours[0].filename) == THIS
-    assert ours[0].lineno == _line("# the-random-op")
+    assert ours[0].lineno == _at("the-random-op")
 
 
 def test_record_is_silent():
@@ -114,7 +112,7 @@ def test_report_round_trips_through_json(tmp_path):
     loaded = rngcheck.Report.load(path)
     assert loaded.to_dict() == mode.report.to_dict()
     f = loaded.findings[0]
-    assert f.stack.call_site.lineno == _line("# the-random-op")
+    assert f.stack.call_site.lineno == _at("the-random-op")
     assert f.sides[1].event.generator.label.startswith("Generator #1")
     assert not [p for p in os.listdir(path.parent) if p.endswith(".tmp")]  # atomic, no leftovers
     with pytest.raises(ValueError, match="unsupported rngcheck report format"):
@@ -132,7 +130,7 @@ def test_rich_rendering_has_panel_table_and_traceback_with_the_user_line():
     for row in ("op", "generator", "arguments", "state before", "output", "call site"):
         assert row in text
     assert "forward" in text and "recompute" in text
-    assert f"{THIS}:{_line('# the-random-op')}" in text
+    assert f"{THIS}:{_at('the-random-op')}" in text
     assert "(torch.rand(x.shape, generator=gen) > 0.5)" in text  # the source line, from rich
     assert "torch/utils/checkpoint.py" not in text  # torch frames are filtered
 
@@ -144,7 +142,7 @@ def test_plain_text_when_not_a_terminal():
     text = out.getvalue()
     assert "╭" not in text and "│" not in text  # no box drawing in logs
     assert text.startswith("rngcheck: checkpoint recompute drew different random numbers")
-    assert f'File "{__file__}", line {_line("# the-random-op")}, in block' in text
+    assert f'File "{__file__}", line {_at("the-random-op")}, in block' in text
 
 
 def test_print_report_summarises():
