@@ -146,6 +146,7 @@ class RNGConsistencyMode:
         self._interceptor: _Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._ranks: Any = None
+        self._trace: _trace.TraceFeed | None = None
         self._xla: Any = None  # the torch_xla patches, when torch_xla was imported (see _xla.py)
         self._entered = False
         self._pid = os.getpid()
@@ -181,6 +182,8 @@ class RNGConsistencyMode:
                 self.recompute_tracker.install()
             _recompute.set_active_checker(self)
             self._ranks = self._start_ranks()
+            if self.config.trace:
+                self._trace = _trace.TraceFeed(self.config.trace, self)
             self._interceptor = _Interceptor(self)
             self._interceptor.__enter__()
         except BaseException:
@@ -322,20 +325,16 @@ class RNGConsistencyMode:
                     stacklevel=3,
                 )
         if self.config.trace:
-            from .trace import write_trace
-
             try:
-                write_trace(self.config.trace, self._trace_events(), self._report)
+                # The whole stream, streamed to disk as it ran, not just the window.
+                stream = self._trace.stream() if self._trace is not None else []
+                _trace.write_trace(self.config.trace, stream, self._report)
             except OSError as e:
                 warnings.warn(
                     f"rngcheck could not write its trace to {self.config.trace}: {e}",
                     RNGCheckWarning,
                     stacklevel=3,
                 )
-
-    def _trace_events(self) -> Any:
-        # The whole stream, streamed to disk as it ran (trace.feed), not just the window.
-        return _trace.stream_for(self)
 
     # -- the random-op path --------------------------------------------------------------------
 
@@ -431,7 +430,8 @@ class RNGConsistencyMode:
 
     def _record(self, event: RandomOpEvent, mesh: Any = None) -> None:
         self._window.add(event)
-        _trace.feed(self, event)
+        if self._trace is not None:
+            self._trace.add(event)
         if event.phase is Phase.BACKWARD:
             self._note_backward(event)
         if self.recompute_tracker is not None:

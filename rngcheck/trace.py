@@ -18,7 +18,6 @@ import json
 import os
 import tempfile
 import threading
-import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ __all__ = [
     "TraceFile",
     "TraceOp",
     "TraceRecorder",
-    "feed",
+    "TraceFeed",
     "first_divergence",
     "read_trace",
     "write_trace",
@@ -178,46 +177,44 @@ class TraceRecorder:
                 os.unlink(self._tmp)
 
 
-# -- the mode's side: one recorder per active mode -----------------------------------------------
-
-_RECORDERS: weakref.WeakKeyDictionary[Any, TraceRecorder | OSError] = weakref.WeakKeyDictionary()
+# -- the mode's side ---------------------------------------------------------------------------
 
 
-def feed(mode: Any, event: RandomOpEvent) -> None:
-    """Called by the mode for every random op; records it when the mode has ``trace=`` set.
+class TraceFeed:
+    """A mode's trace: the recorder opens at the first random op (when the rank is known).
 
     A disk error never stops training: the recorder is dropped and the error kept, to be
     reported (as a warning) when the mode writes its outputs at exit.
     """
-    path = mode.config.trace
-    if not path:
-        return
-    recorder = _RECORDERS.get(mode)
-    if recorder is None:
-        try:
-            recorder = _RECORDERS[mode] = TraceRecorder(path, meta=_meta_of(mode))
-        except OSError as e:
-            _RECORDERS[mode] = e
+
+    def __init__(self, path: str, mode: Any) -> None:
+        self._path = path
+        self._mode = mode
+        self._recorder: TraceRecorder | None = None
+        self._error: OSError | None = None
+
+    def add(self, event: RandomOpEvent) -> None:
+        if self._error is not None:
             return
-    if isinstance(recorder, OSError):
-        return
-    try:
-        recorder.add(event)
-    except OSError as e:
-        recorder.abort()
-        _RECORDERS[mode] = e
+        try:
+            if self._recorder is None:
+                self._recorder = TraceRecorder(self._path, meta=_meta_of(self._mode))
+            self._recorder.add(event)
+        except OSError as e:
+            if self._recorder is not None:
+                self._recorder.abort()
+            self._recorder, self._error = None, e
 
+    def stream(self) -> TraceRecorder | list[RandomOpEvent]:
+        """The recorder holding the stream so far (handed over), or an empty stream.
 
-def stream_for(mode: Any) -> TraceRecorder | list[RandomOpEvent]:
-    """The recorder that holds ``mode``'s stream so far (taking it over), or an empty stream.
-
-    Raises the OSError that stopped the recording, if one did: an incomplete trace must not be
-    written as if it were the whole stream.
-    """
-    recorder = _RECORDERS.pop(mode, None)
-    if isinstance(recorder, OSError):
-        raise OSError(f"recording stopped at a disk error: {recorder}")
-    return recorder if recorder is not None else []
+        Raises the OSError that stopped the recording, if one did: an incomplete trace must not
+        be written as if it were the whole stream.
+        """
+        if self._error is not None:
+            raise OSError(f"recording stopped at a disk error: {self._error}")
+        recorder, self._recorder = self._recorder, None
+        return recorder if recorder is not None else []
 
 
 def _meta_of(mode: Any) -> dict[str, Any]:
