@@ -757,13 +757,14 @@ def _agree(
     mine = [-1] * world
     for r in domain or ():
         mine[r] = 1
-    t = torch.tensor([_text_hash(cfg.sync, cfg.expect, str(cfg.every)), *mine], dtype=torch.int64)
+    settings = _text_hash(cfg.sync, cfg.expect, str(cfg.every), str(cfg.every_steps))
+    t = torch.tensor([settings, *mine], dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(out, t, group=world_side)
     rows = [o.tolist() for o in out]
     if len({r[0] for r in rows}) > 1:
         raise ValueError(
-            "rngcheck needs the same sync, expect and every settings on every rank; the ranks "
+            "rngcheck needs the same sync, expect, every and every_steps on every rank; the ranks "
             "were started with different ones (check the RNGCHECK_* environment of each rank)"
         )
     parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
