@@ -18,6 +18,14 @@ group agrees on the outcome. Only on a mismatch do the ranks gather their rows (
 only) and then the detail of the one divergent op (JSON text in a uint8 tensor; never pickle), so
 every rank builds the same finding from the same data.
 
+With ``sync="step"`` the all-reduce of an optimizer step or an every-N point is posted and not
+waited for there (``async_op=True``): the round stays in flight, its window kept, and is settled
+(waited for, with the timeout, and judged) at the next exchange point, before that point posts
+its own round, so every rank settles round r at the same place in its sequence of side-group
+collectives and a mismatch found one exchange late still gathers round r's rows. Collectives,
+``mode.check()`` and exit wait for their own round too: no rank walks into a collective the others
+will not make with a mismatch still unknown. ``sync="op"`` waits at every exchange.
+
 Every collective passes the checker's group; a rank that does not arrive within
 ``config.timeout`` gives a ``rank_missing`` finding (gloo honours the group timeout) instead of a
 hang, and after any finding the checker stops exchanging. Localising and describing the
@@ -59,6 +67,10 @@ _MASK62 = (1 << 62) - 1
 _ROW = 5  # structure, stream, before, after, policy
 _POLICY_CODE = {"same": 1, "differ": 2}
 _MAX_GROUPS = 256  # resolved group specs kept
+# With sync="step", the rounds of these points stay in flight until the next exchange point. A
+# collective (an alignment point), mode.check() and exit wait for their own round: a rank must
+# not walk into a collective that the others will not make before the mismatch is known.
+_PIPELINED = frozenset({Point.OPTIMIZER_STEP, Point.EVERY})
 
 
 @dataclass(slots=True)
@@ -76,6 +88,24 @@ class ExchangeStats:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class _Round:
+    """One exchange round: the fast vector sent, and the window it covers (kept until the round
+    is settled, so a mismatch found one exchange later still localises the first divergent op)."""
+
+    number: int
+    point: Point
+    where: str
+    rows: list[tuple[int, int, int, int, int]]
+    events: list[RandomOpEvent]
+    first_use: set[int]
+    ignored_before: dict[int, tuple[int, str, str]]
+    vec: torch.Tensor
+    parts: dict[int, list[tuple[int, ...]]]
+    stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
+    work: Any = None
 
 
 def _h62(data: bytes) -> int:
@@ -193,6 +223,7 @@ class RankChecker:
         self._pending: list[RandomOpEvent] = []
         self._rows: list[tuple[int, int, int, int, int]] = []
         self._round = 0
+        self._inflight: _Round | None = None  # posted, not yet waited for
         self._stopped = False
         self._finished = False
         self._busy = False
@@ -301,6 +332,7 @@ class RankChecker:
             why = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception seen"
             self._board.post_left(self.rank, why[:300])
         self._stopped = True
+        self._inflight = None  # not waited for: the others learn from the store, or time out
         self._pending.clear()
         self._rows.clear()
         self._subgroups.clear()  # gloo closes their connections when they are freed
@@ -374,7 +406,7 @@ class RankChecker:
         if finding is not None:
             self._mode._emit(finding)
 
-    def _all_reduce(self, kind: str, t: torch.Tensor, op: Any) -> None:
+    def _all_reduce(self, kind: str, t: torch.Tensor, op: Any, async_op: bool = False) -> Any:
         nbytes = t.numel() * t.element_size()
         if kind == "fast":
             self.stats.fast_calls += 1
@@ -383,7 +415,7 @@ class RankChecker:
             self.stats.slow_calls += 1
             self.stats.slow_bytes += nbytes
         try:
-            dist.all_reduce(t, op, group=self._side)
+            return dist.all_reduce(t, op, group=self._side, async_op=async_op)
         except RuntimeError as e:
             raise _PeerLost(e) from e
 
@@ -398,29 +430,67 @@ class RankChecker:
         return out
 
     def _exchange_now(self, point: Point, where: str) -> Finding | None:
+        # The round posted at the previous exchange point first (sync="step" leaves it in flight
+        # at optimizer steps and every-N points): every rank settles round r before it posts
+        # round r + 1, so the collectives on the side group stay in the same order everywhere.
+        finding = self._settle(point, where)
+        if finding is not None or self._stopped:
+            return finding
         self._round += 1
         self.stats.exchanges += 1
-        rows, events = self._rows, self._pending
-        vec, parts = self._fast_vector(point, rows)
+        vec, parts = self._fast_vector(point, self._rows)
+        pipelined = self._cfg.sync == "step" and point in _PIPELINED
+        sent = _Round(
+            number=self._round,
+            point=point,
+            where=where,
+            rows=self._rows,
+            events=self._pending,
+            first_use=self._first_use,
+            ignored_before=self._ignored_before,
+            vec=vec,
+            parts=parts,
+            stack=Stack.capture() if pipelined else None,
+        )
+        self._clear()  # the window now belongs to the round until it is settled
         try:
-            self._all_reduce("fast", vec, dist.ReduceOp.MAX)
-            mismatch = _mismatched(vec)
-            if not mismatch and int(vec[_HEADER - 1]) > 0:
+            sent.work = self._all_reduce("fast", vec, dist.ReduceOp.MAX, async_op=True)
+        except _PeerLost as e:
+            self._stopped = True
+            return self._missing(sent, point, where, e.__cause__ or e)
+        self._inflight = sent
+        if pipelined:
+            return None
+        return self._settle(point, where)
+
+    def _settle(self, point: Point, where: str) -> Finding | None:
+        """Wait for the round in flight (bounded by the timeout) and judge it; ``point`` and
+        ``where``: where this rank is now (it waits there)."""
+        sent, self._inflight = self._inflight, None
+        if sent is None:
+            return None
+        try:
+            try:
+                sent.work.wait(self._timeout)
+            except RuntimeError as e:
+                raise _PeerLost(e) from e
+            mismatch = _mismatched(sent.vec)
+            if not mismatch and int(sent.vec[_HEADER - 1]) > 0:
                 # Streams over parts of the group: each checked on its own small gloo group (the
                 # structure digest above guarantees every member has the same streams), then
-                # one flag so that the whole group agrees on whether to gather.
-                local = self._partition_rounds(parts)
+                # one flag so that the whole group agrees on whether to gather. Blocking; every
+                # rank runs them at the same round (the flag is the all-reduced one).
+                local = self._partition_rounds(sent.parts)
                 flag = torch.tensor([1 if local else 0], dtype=torch.int64)
                 self._all_reduce("fast", flag, dist.ReduceOp.MAX)
                 mismatch = bool(flag[0])
             if not mismatch:
-                self._clear()
                 return None
             self.stats.mismatches += 1
-            return self._slow_path(point, where, rows, events)
+            return self._slow_path(sent)
         except _PeerLost as e:  # gloo: the group timeout, or a peer that went away
             self._stopped = True
-            return self._missing(point, where, e.__cause__ or e)
+            return self._missing(sent, point, where, e.__cause__ or e)
 
     def _clear(self) -> None:
         self._rows = []
@@ -505,10 +575,9 @@ class RankChecker:
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 
-    def _slow_path(
-        self, point: Point, where: str, rows: list[tuple[int, ...]], events: list[RandomOpEvent]
-    ) -> Finding | None:
-        head = torch.tensor([len(rows), self._round, int(point)], dtype=torch.int64)
+    def _slow_path(self, sent: _Round) -> Finding | None:
+        rows, events, point = sent.rows, sent.events, sent.point
+        head = torch.tensor([len(rows), sent.number, int(point)], dtype=torch.int64)
         heads = [h.tolist() for h in self._all_gather(head)]
         length = max(h[0] for h in heads)
         mine = torch.zeros((max(length, 1), _ROW), dtype=torch.int64)
@@ -522,15 +591,14 @@ class RankChecker:
         points = {rank: Point(h[2]) for rank, h in zip(self._domain, heads, strict=True)}
         spot = localise(windows, points)
         if spot is None:  # two streams shared a hashed slot: no real divergence
-            self._clear()
             return None
         index = spot.index_for(self.rank, windows[self.rank])
-        stack = Stack.capture()
+        stack = sent.stack if sent.stack is not None else Stack.capture()
         blob = {
             "event": events[index].to_dict() if 0 <= index < len(events) else None,
-            "point": point_text(points[self.rank], where, stack),
-            "seed_calls": self._seed_calls(events[index]) if index in self._first_use else [],
-            "ignored": self._ignored_before.get(index),
+            "point": point_text(points[self.rank], sent.where, stack),
+            "seed_calls": self._seed_calls(events[index]) if index in sent.first_use else [],
+            "ignored": sent.ignored_before.get(index),
         }
         details = self._gather_text(json.dumps(blob))
         self._stopped = True  # one report, then no more exchanges: later ops would all differ
@@ -542,7 +610,7 @@ class RankChecker:
             return Finding(
                 kind=FindingKind.RANK_DIVERGENCE,
                 message=(
-                    f"the ranks disagree at random op {spot.index} of exchange #{self._round} "
+                    f"the ranks disagree at random op {spot.index} of exchange #{sent.number} "
                     f"({spot.kind}); rngcheck could not describe it ({type(e).__name__}: {e})"
                 ),
                 op=events[index].op if 0 <= index < len(events) else "",
@@ -571,19 +639,21 @@ class RankChecker:
         calls = self._mode._seeds.since(0, event.generator.device)
         return [c.to_dict() for c in calls if not c.by_torch]
 
-    def _missing(self, point: Point, where: str, error: BaseException) -> Finding:
-        """A rank did not arrive in time: find out which through the store, and say so."""
+    def _missing(self, sent: _Round, point: Point, where: str, error: BaseException) -> Finding:
+        """A rank did not arrive at round ``sent`` in time: find out which through the store, and
+        say so. ``point`` and ``where``: where this rank waited for it."""
         stack = Stack.capture()
         here = point_text(point, where, stack)
-        arrived = self._board.arrivals(
-            self._round, self.rank, self._domain, min(5.0, self._cfg.timeout)
-        )
+        number = sent.number
+        # A pipelined round was sent at an earlier point and waited for here.
+        sent_at = point_text(sent.point, sent.where, sent.stack) if sent.stack is not None else here
+        arrived = self._board.arrivals(number, self.rank, self._domain, min(5.0, self._cfg.timeout))
         missing = tuple(r for r in self._domain if r not in arrived)
         late = not missing  # everyone else also gave up here: this rank is the one that came late
         if late:
             missing = (self.rank,)
             arrived = tuple(r for r in self._domain if r != self.rank)
-        last = self._pending[-1] if self._pending else None
+        last = sent.events[-1] if sent.events else None
         left = self._board.left(missing)
         cause = (
             "the missing rank(s) stopped running the code the others run: an early return "
@@ -599,12 +669,14 @@ class RankChecker:
             f"({type(error).__name__}: {str(error).splitlines()[0][:160]})"
         )
         message = (
-            f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{self._round} within "
+            f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{number} within "
             f"{self._cfg.timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
         )
+        if sent_at != here:
+            message += f" (exchange #{number} was sent at {sent_at})"
         if late:
             message = (
-                f"this rank ({self.rank}) reached RNG exchange #{self._round} at {here} after "
+                f"this rank ({self.rank}) reached RNG exchange #{number} at {sent_at} after "
                 f"rank(s) {format_ranks(arrived)} had given up waiting ({self._cfg.timeout:g} s)"
             )
         return Finding(

@@ -171,6 +171,26 @@ def extra_draw(rank: int, world: int) -> dict[str, Any]:
     return _raising(body)
 
 
+def drift_found_one_step_later(rank: int, world: int) -> dict[str, Any]:
+    """sync="step" without collectives: each optimizer step's round stays in flight until the
+    next exchange point, so an extra draw in step 1 is reported at step 2's optimizer step."""
+
+    def body(notes: dict[str, Any]) -> None:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            notes["reached"] = step
+            model(torch.ones(2, 8)).sum().backward()
+            if step == 1 and rank == 1:
+                notes["line"] = _line()
+                torch.rand(1)  # one rank draws one extra number in step 1
+            opt.step()
+            notes["stepped"] = step
+
+    torch.manual_seed(0)
+    return _raising(body)
+
+
 def user_generator(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     with _mode() as mode:
@@ -473,6 +493,7 @@ _TWO = [
     "clean_training_op_sync",
     "rank_seed",
     "extra_draw",
+    "drift_found_one_step_later",
     "user_generator",
     "dataloader_one_rank",
     "differ_streams",
@@ -602,6 +623,26 @@ def test_one_rank_draws_an_extra_number(two: Any) -> None:
         assert f"at {_site(line)}" in f["cause"]
         assert f["sides"][1]["ranks"] == [1] and f["sides"][1]["op"] == "aten.rand.default"
         assert f["sides"][0]["ranks"] == [0] and f["sides"][0]["op"] == "aten.bernoulli_.float"
+    _rendered_once(results, 0)
+
+
+def test_step_sync_reports_a_drift_at_the_exchange_after_it(two: Any) -> None:
+    results = two["drift_found_one_step_later"]
+    line = results[1]["line"]
+    for rank, r in results.items():
+        assert r["raised"] == "RankDivergenceError", r  # every rank gets the error
+        # Step 1's round was still in flight after its optimizer step; step 2's settled it.
+        assert r["stepped"] == 1 and r["reached"] == 2, (rank, r)
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "op"
+        assert f["op"] == "aten.rand.default" and f["site"] == _site(line)
+        assert "rank 1 ran an extra random op, aten.rand.default" in f["cause"]
+        # Rounds 1 and 2 were sent (one all-reduce each), nothing after the mismatch; the
+        # gathers of the slow path ran once.
+        stats = r["stats"]
+        assert stats["exchanges"] == 2 and stats["mismatches"] == 1, stats
+        assert stats["fast_calls"] == 2 and stats["fast_bytes"] == 2 * 72, stats
+        assert stats["slow_calls"] == 4, stats
     _rendered_once(results, 0)
 
 
