@@ -419,11 +419,3 @@ class GeneratorRegistry:
 
     def tracked(self) -> list[_Tracked]:
         return [*self._defaults.values(), *self._users.values()]
-
-    def find(self, gen: Any) -> _Tracked | None:
-        """The tracked entry for a generator object, if this registry has seen it."""
-        key = _cdata(gen)
-        for t in self.tracked():
-            if t.handle is gen or (key is not None and _cdata(t.handle) == key):
-                return t
-        return None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -254,7 +255,7 @@ class Report:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
-            with _suppress_oserror():
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
 
@@ -262,14 +263,6 @@ class Report:
     def load(cls, path: str | os.PathLike[str]) -> Report:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
-
-
-class _suppress_oserror:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        return exc_type is not None and issubclass(exc_type, OSError)
 
 
 class RNGCheckError(RuntimeError):
