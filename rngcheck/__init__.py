@@ -7,7 +7,7 @@ where an activation-checkpoint recompute draws different numbers than its forwar
 
 from .events import OutOfBandChange, Phase, RandomOpEvent, SeedCall
 from .generators import GeneratorId
-from .mode import RNGCheckWarning, RNGConsistencyMode, active_mode, run_checked
+from .mode import RNGConsistencyMode, active_mode, run_checked
 from .ops import register_random_op
 from .policy import expect
 from .ranks import exchange_stats
@@ -22,7 +22,9 @@ from .report import (
     RankMissingError,
     RecomputeMismatchError,
     Report,
+    RNGCheckCoverageWarning,
     RNGCheckError,
+    RNGCheckWarning,
     Side,
 )
 from .stacks import Frame, Stack
@@ -38,6 +40,7 @@ __all__ = [
     "Note",
     "OutOfBandChange",
     "Phase",
+    "RNGCheckCoverageWarning",
     "RNGCheckError",
     "RNGCheckWarning",
     "RNGConsistencyMode",

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import recompute as _recompute
+from . import torch_checkpoint
 from . import trace as _trace
 from .config import Config
 from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
@@ -25,11 +26,18 @@ from .generators import GeneratorRegistry, tensor_digest
 from .ops import OpKind, classify, op_device, op_generator, op_name, summarize_args
 from .policy import current_expectation
 from .recompute import RecomputeTracker
-from .report import Finding, Note, Report, error_for
+from .report import (
+    Finding,
+    Note,
+    Report,
+    RNGCheckCoverageWarning,
+    RNGCheckWarning,
+    error_for,
+)
 from .seeding import SeedCallLog
 from .stacks import Stack
 
-__all__ = ["RNGCheckWarning", "RNGConsistencyMode", "active_mode"]
+__all__ = ["RNGCheckCoverageWarning", "RNGCheckWarning", "RNGConsistencyMode", "active_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +45,6 @@ _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
 _MAX_FINDINGS = 100  # past this, findings are counted, not kept (a broken loop reports once)
 _MAX_NOTE_SITES = 64
-
-
-class RNGCheckWarning(UserWarning):
-    """Warned for a finding when ``on_finding="warn"``."""
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -153,6 +157,7 @@ class RNGConsistencyMode:
         self._warned: set[tuple[str, str]] = set()
         self._dropped_findings = 0
         self._backward_sites: dict[str, list[Any]] = {}
+        self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
         self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -180,6 +185,8 @@ class RNGConsistencyMode:
             if self.config.check_recompute:
                 self.recompute_tracker = RecomputeTracker(self._emit)
                 self.recompute_tracker.install()
+                for gap in self.recompute_tracker.coverage_gaps:
+                    self._coverage_gap(gap)
             _recompute.set_active_checker(self)
             self._ranks = self._start_ranks()
             if self.config.trace:
@@ -281,7 +288,7 @@ class RNGConsistencyMode:
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
         r.ops_by_generator = dict(self._window.by_generator)
-        notes = [n for n in r.notes if n.kind != "backward_random_ops"]
+        notes = [n for n in r.notes if n.kind not in ("backward_random_ops", "findings_dropped")]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(
                 Note(
@@ -397,6 +404,19 @@ class RNGConsistencyMode:
             tracked.initial_seed = tracked.handle.initial_seed()
         tracker = self.recompute_tracker
         in_region = tracker is not None and tracker.active()
+        if (
+            tracker is not None
+            and not in_region
+            and not self._unseen_checkpoint
+            and torch_checkpoint.checkpoint_frame_on_stack()
+        ):
+            self._unseen_checkpoint = True
+            self._coverage_gap(
+                f"a torch.utils.checkpoint region ran random ops ({op_name(func)}) that rngcheck "
+                f"did not see begin, on torch {torch.__version__}: either the region started "
+                "before the mode was entered, or this torch runs checkpoint through code "
+                "rngcheck does not hook. Recomputes of such regions are not compared"
+            )
         event = self._event(
             func,
             args,
@@ -460,6 +480,12 @@ class RNGConsistencyMode:
             if seed != tracked.initial_seed:
                 new_seed = seed
         return OutOfBandChange(calls=calls, new_seed=new_seed)
+
+    def _coverage_gap(self, what: str) -> None:
+        """Something rngcheck was asked to check and cannot: a loud warning and a report note,
+        once each, never silence (a user must not believe an unchecked run is clean)."""
+        self._report.notes.append(Note(kind="not_checked", message=what))
+        warnings.warn(f"rngcheck: {what}.", RNGCheckCoverageWarning, stacklevel=2)
 
     def _note_backward(self, event: RandomOpEvent) -> None:
         site = event.site

@@ -1,12 +1,11 @@
 """Checkpoint regions: the random ops of a region's forward, compared op by op with its recompute.
 
-How regions are found, without the user changing a line:
-- ``use_reentrant=False``: ``torch.utils.checkpoint.checkpoint`` drives the module-level generator
-  ``_checkpoint_without_reentrant_generator``; we wrap it, so the forward is the span between its
-  first and last step and the recompute is the ``fn`` it calls back from backward.
-- ``use_reentrant=True``: ``checkpoint`` calls ``CheckpointFunction.apply(function, ...)``; we put a
-  shim in its place whose wrapped ``function`` knows its first call is the forward and any later
-  call the recompute.
+How regions are found, without the user changing a line: ``torch_checkpoint.py`` names the
+functions torch calls for each checkpointed region (per torch version) and this tracker wraps them.
+- ``use_reentrant=False``: the generator that drives one region; the forward is the span between
+  its first and last step and the recompute is the ``fn`` it calls back from backward.
+- ``use_reentrant=True``: ``CheckpointFunction.apply(function, ...)``; a shim's wrapped
+  ``function`` knows its first call is the forward and any later call the recompute.
 Both are looked up by name at call time inside torch, so ``from torch.utils.checkpoint import
 checkpoint`` done before the mode started is covered too, and so is ``checkpoint_sequential``.
 torch.distributed's composable ``checkpoint(module)`` holds its own copy of the generator's name;
@@ -38,6 +37,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import torch_checkpoint
 from .events import Phase, RandomOpEvent
 from .ops import OpKind, classify
 from .recompute_causes import control_flow_cause, first_difference, likely_cause
@@ -52,7 +52,6 @@ __all__ = ["CheckpointRegion", "RecomputeTracker", "checkpoint_region"]
 _MAX_REGION_OPS = 100_000
 _MAX_REPORTED = 4096
 _region_numbers = itertools.count(1)
-_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -96,6 +95,8 @@ class RecomputeTracker:
         # recompute after it (backward outside the `with`); with no ops recorded any more, that
         # recompute must not be compared, or it would look like it ran no random op at all.
         self.live = False
+        # Why some checkpoint regions cannot be seen on this torch (the mode warns and notes).
+        self.coverage_gaps: list[str] = []
 
     # -- state queried on the hot path of random ops -------------------------------------------
 
@@ -114,20 +115,27 @@ class RecomputeTracker:
     # -- installing the hooks into torch.utils.checkpoint ---------------------------------------
 
     def install(self) -> None:
+        """Wrap torch's checkpoint entry points (see ``torch_checkpoint.py`` for which names, per
+        torch version). A name this torch lacks is warned about loudly, never skipped silently."""
         self.live = True
-        original = tuc._checkpoint_without_reentrant_generator
+        missing = torch_checkpoint.missing_names()
+        if missing:
+            self.coverage_gaps.append(
+                f"torch {torch.__version__} has no {', '.join(missing)}: rngcheck cannot see "
+                "these checkpoint regions begin, so their recomputes are not compared"
+            )
+        hooks = torch_checkpoint.HOOKS
+        original = getattr(tuc, hooks.nonreentrant, None)
+        if original is not None:
 
-        def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
-            return self._nonreentrant_gen(original, *args, **kwargs)
+            def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
+                return self._nonreentrant_gen(original, args, kwargs)
 
-        self._patch(tuc, "_checkpoint_without_reentrant_generator", nonreentrant)
-        self._patch(tuc, "CheckpointFunction", _ReentrantShim(self, tuc.CheckpointFunction))
-        # torch.distributed's composable ``checkpoint(module)`` imported the generator by name;
-        # patch its copy too when that module is loaded (importing it here would pull in
-        # torch.distributed for every user).
-        composable = sys.modules.get(_COMPOSABLE)
-        if getattr(composable, "_checkpoint_without_reentrant_generator", None) is original:
-            self._patch(composable, "_checkpoint_without_reentrant_generator", nonreentrant)
+            for owner, name in torch_checkpoint.targets():
+                self._patch(owner, name, nonreentrant)
+        reentrant = getattr(tuc, hooks.reentrant, None)
+        if reentrant is not None:
+            self._patch(tuc, hooks.reentrant, _ReentrantShim(self, reentrant))
 
     def uninstall(self) -> None:
         self.live = False
@@ -139,7 +147,7 @@ class RecomputeTracker:
             # that happened while we were installed, it copied our wrapper by name and would keep
             # it (and this tracker) forever. Hand it the original too.
             if owner is tuc:
-                copy = sys.modules.get(_COMPOSABLE)
+                copy = sys.modules.get(torch_checkpoint.COMPOSABLE)
                 if copy is not None and getattr(copy, name, None) is replacement:
                     setattr(copy, name, original)
 
@@ -148,24 +156,21 @@ class RecomputeTracker:
         setattr(owner, name, replacement)
 
     def _nonreentrant_gen(
-        self,
-        original: Callable[..., Any],
-        fn: Callable[..., Any],
-        preserve_rng_state: bool = True,
-        context_fn: Callable[[], Any] = tuc.noop_context_fn,
-        *rest: Any,
-        **kwargs: Any,
+        self, original: Callable[..., Any], args: tuple, kwargs: dict
     ) -> Iterator[None]:
+        call = torch_checkpoint.bind_nonreentrant(original, args, kwargs)
         region = self.new_region(
             kind="non-reentrant",
-            preserve_rng_state=bool(preserve_rng_state),
-            args=rest[3:],
+            preserve_rng_state=call.preserve_rng_state,
+            args=call.tensor_args,
         )
+        fn = call.fn
 
-        def recompute_fn(*args: Any, **kw: Any) -> Any:
+        def recompute_fn(*inner: Any, **kw: Any) -> Any:
             with self.phase(region, Phase.RECOMPUTE):
-                return fn(*args, **kw)
+                return fn(*inner, **kw)
 
+        context_fn = call.context_fn
         if context_fn is not tuc.noop_context_fn and not torch.compiler.is_compiling():
             user_context_fn = context_fn
 
@@ -173,7 +178,7 @@ class RecomputeTracker:
                 forward_ctx, recompute_ctx = user_context_fn()
                 return forward_ctx, _ObservedRecompute(recompute_ctx, self)
 
-        inner = original(recompute_fn, preserve_rng_state, context_fn, *rest, **kwargs)
+        inner = call.call(original, recompute_fn, context_fn)
         with self.phase(region, Phase.FORWARD):
             yield from inner
 

@@ -19,7 +19,9 @@ __all__ = [
     "Finding",
     "FindingKind",
     "Note",
+    "RNGCheckCoverageWarning",
     "RNGCheckError",
+    "RNGCheckWarning",
     "RankCollisionError",
     "RankDivergenceError",
     "RankMissingError",
@@ -263,6 +265,17 @@ class Report:
     def load(cls, path: str | os.PathLike[str]) -> Report:
         with open(path, encoding="utf-8") as f:
             return cls.from_json(f.read())
+
+
+class RNGCheckWarning(UserWarning):
+    """Warned for a finding when ``on_finding="warn"``."""
+
+
+class RNGCheckCoverageWarning(RNGCheckWarning):
+    """rngcheck could not check something it was asked to check (a checkpoint region it did not
+    see begin, a torch whose checkpoint internals it does not know). Never silence: a user must not
+    believe an unchecked run is clean. Turn it into an error in a test suite with
+    ``-W error::rngcheck.RNGCheckCoverageWarning``."""
 
 
 class RNGCheckError(RuntimeError):

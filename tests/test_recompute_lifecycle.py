@@ -19,28 +19,30 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import rngcheck
+from rngcheck import torch_checkpoint
 
 # torch < 2.10's non-reentrant checkpoint() does not throw a forward's exception into its
 # generator (pytorch PR 184018), so torch's own saved-tensor hooks, and the region with them,
 # stay open while the exception's traceback lives: nothing rngcheck can close from outside.
-_THROWS_INTO_GENERATOR = "gen.throw" in inspect.getsource(tuc.checkpoint)
+_THROWS_INTO_GENERATOR = "gen.throw" in inspect.getsource(tuc)
 needs_forward_exception_handling = pytest.mark.skipif(
     not _THROWS_INTO_GENERATOR,
     reason="this torch leaves a failed non-reentrant checkpoint forward open (pytorch PR 184018)",
 )
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
-ORIGINAL_GENERATOR = tuc._checkpoint_without_reentrant_generator
+COMPOSABLE = torch_checkpoint.COMPOSABLE
+ENTRY = torch_checkpoint.HOOKS.nonreentrant  # the name torch calls per region, on this torch
+ORIGINAL_GENERATOR = getattr(tuc, ENTRY)
 ORIGINAL_FUNCTION = tuc.CheckpointFunction
 
 
 def _assert_torch_untouched() -> None:
-    assert tuc._checkpoint_without_reentrant_generator is ORIGINAL_GENERATOR
+    assert getattr(tuc, ENTRY) is ORIGINAL_GENERATOR
     assert tuc.CheckpointFunction is ORIGINAL_FUNCTION
     composable = sys.modules.get(COMPOSABLE)
     if composable is not None:
-        assert composable._checkpoint_without_reentrant_generator is ORIGINAL_GENERATOR
+        assert getattr(composable, ENTRY) is ORIGINAL_GENERATOR
     assert rngcheck.active_mode() is None
 
 
@@ -50,7 +52,7 @@ def _quiet_console() -> Console:
 
 def test_patches_are_in_place_inside_and_gone_after():
     with rngcheck.RNGConsistencyMode():
-        assert tuc._checkpoint_without_reentrant_generator is not ORIGINAL_GENERATOR
+        assert getattr(tuc, ENTRY) is not ORIGINAL_GENERATOR
         assert tuc.CheckpointFunction is not ORIGINAL_FUNCTION
     _assert_torch_untouched()
 
@@ -62,7 +64,7 @@ def test_check_recompute_false_patches_nothing():
         return x * torch.rand(x.shape, generator=gen)
 
     with rngcheck.RNGConsistencyMode(check_recompute=False, on_finding="record") as mode:
-        assert tuc._checkpoint_without_reentrant_generator is ORIGINAL_GENERATOR
+        assert getattr(tuc, ENTRY) is ORIGINAL_GENERATOR
         assert tuc.CheckpointFunction is ORIGINAL_FUNCTION
         checkpoint(block, torch.randn(3, requires_grad=True), use_reentrant=False).sum().backward()
     assert mode.report.ok
@@ -160,12 +162,12 @@ def test_composable_checkpoint_imported_during_the_mode_gets_the_original_back()
         import sys, torch, rngcheck
         import torch.utils.checkpoint as tuc
         assert {COMPOSABLE!r} not in sys.modules
-        original = tuc._checkpoint_without_reentrant_generator
+        original = getattr(tuc, {ENTRY!r})
         with rngcheck.RNGConsistencyMode():
             x = torch.randn(3, requires_grad=True)
             tuc.checkpoint(lambda t: t * 2, x, use_reentrant=False).sum().backward()
         copy = sys.modules.get({COMPOSABLE!r})
-        assert copy is None or copy._checkpoint_without_reentrant_generator is original
+        assert copy is None or getattr(copy, {ENTRY!r}) is original
         print("ok", copy is not None)
         """
     )

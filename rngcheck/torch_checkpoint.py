@@ -1,0 +1,176 @@
+"""The one place that knows torch.utils.checkpoint's private names, per torch version.
+
+rngcheck sees a checkpointed region by wrapping the function torch calls for each region, looked
+up by name at call time inside torch (so a ``from torch.utils.checkpoint import checkpoint`` done
+before the mode started, and Hugging Face's ``functools.partial(checkpoint, ...)``, are covered):
+
+- ``use_reentrant=False``: the generator that drives one region. torch 2.14 moved it to
+  ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state, ...)``
+  (the old positional ``_checkpoint_without_reentrant_generator`` stays as a shim that calls it);
+  torch 2.9 to 2.13 call ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state,
+  context_fn, determinism_check, debug, early_stop, *args, **kwargs)``. Both are bound through
+  their own signature, so one wrapper serves both.
+- ``use_reentrant=True``: ``CheckpointFunction.apply(function, preserve_rng_state, *args)``.
+
+:data:`HOOKS` is chosen once, from the running torch's version (:func:`hooks_for`); a name it
+expects and does not find is a loud ``RNGCheckCoverageWarning``, never silence. A second net
+catches what a future torch might route around these names: :func:`checkpoint_frame_on_stack`
+tells whether torch's checkpoint code is running below a random op that no known region claimed
+(the mode turns that into the same warning and a report note).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as tuc
+
+__all__ = [
+    "HOOKS",
+    "TORCH_VERSION",
+    "CheckpointHooks",
+    "bind_nonreentrant",
+    "checkpoint_frame_on_stack",
+    "hooks_for",
+]
+
+COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+
+
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+TORCH_VERSION = _version(torch.__version__)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointHooks:
+    """The names rngcheck wraps in ``torch.utils.checkpoint`` for one range of torch versions."""
+
+    since: tuple[int, int]  # the first torch version these names apply to
+    nonreentrant: str  # drives one use_reentrant=False region (a generator function)
+    reentrant: str = "CheckpointFunction"  # the autograd.Function of use_reentrant=True
+
+
+# Newest first: the first entry whose ``since`` is at or below the running torch applies.
+_TABLE = (
+    CheckpointHooks(since=(2, 14), nonreentrant="_checkpoint_without_reentrant_generator_impl"),
+    CheckpointHooks(since=(2, 0), nonreentrant="_checkpoint_without_reentrant_generator"),
+)
+
+
+def hooks_for(version: tuple[int, int]) -> CheckpointHooks:
+    """The hook names for a torch version (the version test lives here and nowhere else)."""
+    for hooks in _TABLE:
+        if version >= hooks.since:
+            return hooks
+    return _TABLE[-1]
+
+
+HOOKS = hooks_for(TORCH_VERSION)
+
+
+@dataclass(frozen=True, slots=True)
+class NonReentrantCall:
+    """One call of the non-reentrant entry, with the parts rngcheck reads or replaces."""
+
+    fn: Callable[..., Any]
+    preserve_rng_state: bool
+    context_fn: Callable[[], Any]
+    tensor_args: tuple[Any, ...]
+    _bound: inspect.BoundArguments
+
+    def call(self, original: Callable[..., Any], fn: Any, context_fn: Any) -> Any:
+        """Call ``original`` with the same arguments but ``fn`` and ``context_fn`` replaced."""
+        arguments = self._bound.arguments
+        arguments["fn"] = fn
+        arguments["context_fn"] = context_fn
+        return original(*self._bound.args, **self._bound.kwargs)
+
+
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def bind_nonreentrant(original: Callable[..., Any], args: tuple, kwargs: dict) -> NonReentrantCall:
+    """Read a call of the non-reentrant entry through its own signature (either torch layout)."""
+    sig = _SIGNATURES.get(original)
+    if sig is None:
+        sig = _SIGNATURES[original] = inspect.signature(original)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    call_args = arguments.get("args", ())
+    if isinstance(call_args, dict):  # defensive: a layout that names its tuple differently
+        call_args = ()
+    return NonReentrantCall(
+        fn=arguments["fn"],
+        preserve_rng_state=bool(arguments.get("preserve_rng_state", True)),
+        context_fn=arguments.get("context_fn", tuc.noop_context_fn),
+        tensor_args=tuple(call_args),
+        _bound=bound,
+    )
+
+
+def targets() -> list[tuple[Any, str]]:
+    """(owner, attribute) pairs to wrap for the non-reentrant entry: torch.utils.checkpoint's,
+    and the composable ``checkpoint(module)``'s copy of the name when that module is loaded
+    (importing it here would pull in torch.distributed for every user)."""
+    found: list[tuple[Any, str]] = [(tuc, HOOKS.nonreentrant)]
+    composable = sys.modules.get(COMPOSABLE)
+    if composable is not None and getattr(composable, HOOKS.nonreentrant, None) is getattr(
+        tuc, HOOKS.nonreentrant, None
+    ):
+        found.append((composable, HOOKS.nonreentrant))
+    return found
+
+
+def missing_names() -> list[str]:
+    """The hook names this torch should have and does not (an internals change)."""
+    return [
+        f"torch.utils.checkpoint.{name}"
+        for name in (HOOKS.nonreentrant, HOOKS.reentrant)
+        if not hasattr(tuc, name)
+    ]
+
+
+# Frames that mean "a checkpointed region is running": the forward (``checkpoint()`` or
+# ``_checkpoint_impl`` calls the user's function directly; ``CheckpointFunction.forward``) and the
+# recompute (the unpack hook and its ``recompute_fn``; ``CheckpointFunction.backward``).
+# Matched by file and function name, not by the names rngcheck wraps, so a torch that routes its
+# regions around those wraps is still noticed. ``checkpoint_sequential`` runs its last segment
+# unchecked from a closure named ``forward`` in the same file: that one is not a region.
+_TORCH_DIR = os.path.dirname(os.path.dirname(tuc.__file__))
+_CHECKPOINT_FILES = frozenset(
+    {
+        tuc.__file__,
+        os.path.join(_TORCH_DIR, "distributed", "_composable", "checkpoint_activation.py"),
+    }
+)
+_REGION_FUNCTIONS = frozenset({"checkpoint", "_checkpoint_impl", "unpack_hook", "recompute_fn"})
+_REGION_CODES = frozenset(
+    getattr(getattr(tuc.CheckpointFunction, name, None), "__code__", None)
+    for name in ("forward", "backward")
+) - {None}
+
+
+def checkpoint_frame_on_stack(skip: int = 1) -> bool:
+    """Whether a torch checkpoint region is running below the caller, by its frames (a walk of a
+    few microseconds, done only for random ops outside every region rngcheck knows)."""
+    frame: Any = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename in _CHECKPOINT_FILES and (
+            code.co_name in _REGION_FUNCTIONS or code in _REGION_CODES
+        ):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,147 @@
+"""The torch that users have: rngcheck hooks the checkpoint entry points of the running torch
+(one table, one version test), checks every variant on it, and says so loudly when it cannot see a
+checkpoint region rather than staying silent."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
+from _recompute_util import assert_recompute_finding, run
+from torch import nn
+
+import rngcheck
+from rngcheck import torch_checkpoint
+
+REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+
+
+def test_the_version_table_names_the_entry_points_of_each_torch():
+    assert (
+        torch_checkpoint.hooks_for((2, 9)).nonreentrant == "_checkpoint_without_reentrant_generator"
+    )
+    assert torch_checkpoint.hooks_for((2, 13)).nonreentrant == (
+        "_checkpoint_without_reentrant_generator"
+    )
+    assert torch_checkpoint.hooks_for((2, 14)).nonreentrant == (
+        "_checkpoint_without_reentrant_generator_impl"
+    )
+    assert torch_checkpoint.hooks_for((2, 15)) == torch_checkpoint.hooks_for((2, 14))
+    # The running torch has every name its table entry promises.
+    assert torch_checkpoint.missing_names() == []
+
+
+def _dropout_region(reentrant: bool) -> None:
+    lin = nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    tuc.checkpoint(lambda t: F.dropout(lin(t), 0.5), x, use_reentrant=reentrant).sum().backward()
+
+
+@REENTRANT
+def test_every_region_of_the_running_torch_is_seen(reentrant):
+    """A region with a random op is recorded as a region on this torch (not merely quiet)."""
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _dropout_region(reentrant)
+    regions = {e.region for e in mode.events}
+    assert len(regions - {""}) == 1, regions
+    assert {e.phase.value for e in mode.events} == {"forward", "recompute"}
+    assert mode.report.ok and not mode.report.notes
+
+
+@pytest.mark.skipif(
+    torch_checkpoint.TORCH_VERSION < (2, 14), reason="checkpoint() as a decorator is torch 2.14+"
+)
+def test_the_decorator_form_of_torch_2_14_is_checked():
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(8, 8)
+
+    @tuc.checkpoint(use_reentrant=False)
+    def block(x):
+        return lin(x) * torch.rand(x.shape, generator=gen)  # <- decorated
+
+    def step():
+        block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+
+    assert_recompute_finding(
+        run(step), op="aten.rand.generator", differs="state", at="decorated", cause=["generator="]
+    )
+
+
+def _an_unknown_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a torch whose checkpoint internals moved looks like to rngcheck: the entry point its
+    table names does not exist (the real torch runs unchanged underneath)."""
+    moved = dataclasses.replace(torch_checkpoint.HOOKS, nonreentrant="_a_name_torch_no_longer_has")
+    monkeypatch.setattr(torch_checkpoint, "HOOKS", moved)
+
+
+def test_an_internals_change_is_a_loud_warning_and_a_report_note(monkeypatch):
+    _an_unknown_torch(monkeypatch)
+    with (
+        pytest.warns(rngcheck.RNGCheckCoverageWarning) as caught,
+        rngcheck.RNGConsistencyMode(on_finding="record") as mode,
+    ):
+        _dropout_region(reentrant=False)
+    texts = [str(w.message) for w in caught]
+    # Once at the start (the missing name), once at the first unseen region: never per op.
+    assert len(texts) == 2, texts
+    assert "_a_name_torch_no_longer_has" in texts[0] and torch.__version__ in texts[0]
+    assert "did not see begin" in texts[1] and "not compared" in texts[1]
+    notes = [n for n in mode.report.notes if n.kind == "not_checked"]
+    assert len(notes) == 2
+    assert torch.__version__ in notes[1].message
+
+
+def test_the_unseen_region_warning_fires_when_the_hook_is_routed_around(monkeypatch):
+    """Even with every name present, a region torch runs without calling the hooked name (here:
+    a copy of the entry point taken before the mode started) is noticed at its random ops."""
+    entry = getattr(tuc, torch_checkpoint.HOOKS.nonreentrant)
+    lin = nn.Linear(8, 8)
+    gen = torch.Generator().manual_seed(1)
+
+    def block(x):
+        return lin(x) * torch.rand(x.shape, generator=gen)
+
+    def routed_around(fn, x):
+        """torch.utils.checkpoint's own non-reentrant path, driving the generator rngcheck did
+        not wrap (the shape of the 2.14 restructuring that silenced rngcheck 0.1)."""
+        call = torch_checkpoint.bind_nonreentrant(entry, *_entry_args(fn, x))
+        gen_ = call.call(entry, fn, tuc.noop_context_fn)
+        next(gen_)
+        out = fn(x)
+        with pytest.raises(StopIteration):
+            next(gen_)
+        return out
+
+    with (
+        pytest.warns(rngcheck.RNGCheckCoverageWarning, match="did not see begin"),
+        rngcheck.RNGConsistencyMode(on_finding="record") as mode,
+    ):
+        routed_around(block, torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert any(n.kind == "not_checked" for n in mode.report.notes)
+
+
+def _entry_args(fn, x):
+    if torch_checkpoint.HOOKS.nonreentrant.endswith("_impl"):
+        return (fn, (x,), {}), {"preserve_rng_state": True}
+    return (fn, True, tuc.noop_context_fn, "default", False, True, x), {}
+
+
+def test_no_warning_without_checkpoint_or_with_check_recompute_off():
+    lin = nn.Linear(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", rngcheck.RNGCheckCoverageWarning)
+        with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+            F.dropout(lin(torch.randn(2, 8)), 0.5).sum().backward()
+            seq = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5))
+            # checkpoint_sequential runs its last segment unchecked on purpose: not a region
+            tuc.checkpoint_sequential(
+                seq, 2, torch.randn(2, 8), use_reentrant=False
+            ).sum().backward()
+        assert not mode.report.notes
+        with rngcheck.RNGConsistencyMode(on_finding="record", check_recompute=False) as mode:
+            _dropout_region(reentrant=False)
+        assert not [n for n in mode.report.notes if n.kind == "not_checked"]
