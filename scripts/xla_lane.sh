@@ -4,32 +4,17 @@
 # installed editable without deps; then, on the CPU (PJRT_DEVICE=CPU):
 #   1. the XLA tests (tests/test_xla.py, marker "xla"; they skip in the main lane);
 #   2. the single-process core tests, since rngcheck claims torch 2.9 support.
-# The venv is reused while its stamp matches the pins and the Python; otherwise it is rebuilt
+# The venv is reused while its pins match (see scripts/lane_venv.sh); otherwise it is rebuilt
 # (PyPI's torch 2.9.0 for x86_64 is the CUDA build: ~3.9 GB to download, ~7 GB on disk, ~2 min).
-# XLA_LANE_REBUILD=1 forces a rebuild.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 
-PY=${PYTHON:-python3}
+# shellcheck source=scripts/lane_venv.sh
+source scripts/lane_venv.sh
 VENV=.venv-xla
-PINS=(torch==2.9.0 torch-xla==2.9.0)
-TOOLS=("rich>=13" "pytest>=8" "hypothesis>=6")
-STAMP="$VENV/.rngcheck-xla-lane"
-want="python $("$PY" -c 'import sys; print(sys.version.split()[0])') ${PINS[*]} ${TOOLS[*]}"
-
-if [ "${XLA_LANE_REBUILD:-0}" != "1" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
-  && "$VENV/bin/python" -c "import torch_xla" >/dev/null 2>&1; then
-  echo "xla lane: reusing $VENV (${PINS[*]})"
-else
-  echo "xla lane: building $VENV (${PINS[*]})"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$VENV/bin/python" -m pip install -q "${PINS[@]}" "${TOOLS[@]}"
-  echo "$want" >"$STAMP" # written last: an interrupted build is rebuilt next time
-fi
-"$VENV/bin/python" -m pip install -q -e . --no-deps
+# torch_xla needs exactly this torch but does not declare it: both are pinned.
+lane_venv "$VENV" torch==2.9.0 torch-xla==2.9.0
 
 export PJRT_DEVICE=CPU
 status=0
@@ -37,7 +22,7 @@ echo "xla lane: XLA tests (torch $("$VENV/bin/python" -c 'import torch; print(to
 "$VENV/bin/python" -m pytest -q -m xla tests/test_xla.py || status=1
 
 shopt -s nullglob
-core=(tests/test_core*.py tests/test_recompute*.py)
+core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py)
 if [ ${#core[@]} -gt 0 ]; then
   echo "xla lane: core single-process tests on torch 2.9"
   "$VENV/bin/python" -m pytest -q "${core[@]}" || status=1

@@ -25,7 +25,7 @@ def test_readme_has_the_demo_and_test_commands_and_their_scripts_exist():
 def test_ci_runs_the_readme_test_command():
     run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     lines = [line.strip() for line in run.splitlines() if not line.lstrip().startswith("#")]
-    assert "bash scripts/test.sh" in lines
+    assert "lane main bash scripts/test.sh" in lines
     # The test script does the whole set-up itself, so a fresh clone needs nothing else.
     test_sh = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
     assert "bash scripts/setup.sh" in test_sh
