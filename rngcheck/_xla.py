@@ -35,8 +35,9 @@ import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 
+from .digest import bytes_digest
 from .events import Phase
-from .generators import DeviceAdapter, bytes_digest, register_device_adapter
+from .generators import DeviceAdapter, register_device_adapter
 from .seeding import register_library_dir, register_seed_api
 
 __all__ = ["XlaSupport", "install", "seed_digest"]

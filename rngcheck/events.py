@@ -12,7 +12,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from .generators import GeneratorId, LazyDigest, resolve_digest
+from .digest import LazyDigest, resolve_digest
+from .generators import GeneratorId
 from .stacks import Stack
 
 __all__ = ["EventWindow", "OutOfBandChange", "Phase", "RandomOpEvent", "SeedCall"]

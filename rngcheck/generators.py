@@ -8,7 +8,6 @@ by construction the way an XOR or 8-bit hash does. Reading a state never changes
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,27 +15,15 @@ from typing import Any
 
 import torch
 
+from .digest import bytes_digest
+
 __all__ = [
     "DeviceAdapter",
     "GeneratorId",
     "GeneratorRegistry",
-    "bytes_digest",
     "register_device_adapter",
     "state_digest",
-    "tensor_digest",
 ]
-
-# Outputs larger than this are fingerprinted from an evenly strided sample: two different dropout
-# masks differ in a fraction of about 2p(1-p) of their elements, and an output computed from a
-# different input differs almost everywhere, so 1024 samples still tell them apart (two p=0.01
-# masks look alike with probability 0.98**1024, about 1e-9), while hashing a whole activation
-# costs time that grows with the model (~25 us for 32 KB here, a quarter second for 256 MB).
-_FULL_DIGEST_MAX_ELEMENTS = 1 << 10
-
-
-def bytes_digest(buffer: Any) -> int:
-    """Signed 64-bit blake2b of a bytes-like object."""
-    return int.from_bytes(hashlib.blake2b(buffer, digest_size=8).digest(), "little", signed=True)
 
 
 def _cpu_tensor_digest(t: torch.Tensor) -> int:
@@ -51,124 +38,6 @@ def _cpu_tensor_digest(t: torch.Tensor) -> int:
 def state_digest(state: torch.Tensor) -> int:
     """Digest of a generator state as returned by ``Generator.get_state()`` (a CPU byte tensor)."""
     return _cpu_tensor_digest(state.contiguous())
-
-
-class LazyDigest:
-    """A digest still on the accelerator, fetched to the host only when a comparison needs it.
-
-    Holds one 0-dim device tensor, so forward ops inside a checkpoint region cost no host sync.
-    """
-
-    __slots__ = ("_value", "_pending")
-
-    def __init__(self, pending: torch.Tensor) -> None:
-        self._pending: torch.Tensor | None = pending
-        self._value: int | None = None
-
-    def resolve(self) -> int:
-        if self._pending is not None:
-            self._value = int(self._pending.item())
-            self._pending = None
-        assert self._value is not None
-        return self._value
-
-    def __repr__(self) -> str:
-        return f"LazyDigest({'pending' if self._pending is not None else self._value})"
-
-
-def resolve_digest(d: int | LazyDigest | None) -> int | None:
-    return d.resolve() if isinstance(d, LazyDigest) else d
-
-
-def _plain_data(t: Any) -> torch.Tensor | None:
-    """The tensor whose bytes we may read, or None (fake, meta, functional or unknown subclass)."""
-    if not isinstance(t, torch.Tensor):
-        return None
-    local = getattr(t, "_local_tensor", None)  # DTensor: this rank's shard
-    if local is not None:
-        t = local
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
-        return None
-    if t.layout != torch.strided:
-        return None
-    return t
-
-
-def tensor_digest(value: Any) -> int | LazyDigest | None:
-    """Fingerprint of an op's output (a tensor or a tuple of them). Runs no dispatch modes."""
-    tensors = value if isinstance(value, (tuple, list)) else (value,)
-    parts: list[torch.Tensor] = []
-    for v in tensors:
-        t = _plain_data(v)
-        if t is None:
-            return None
-        parts.append(t)
-    if not parts:
-        return None
-    if all(t.device.type == "cpu" for t in parts):
-        h = hashlib.blake2b(digest_size=8)
-        for t in parts:
-            h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-            h.update(_cpu_sample(t))
-        return int.from_bytes(h.digest(), "little", signed=True)
-    # The checker's own reads must not be seen by other dispatch modes (a FlopCounterMode below
-    # ours would count them) nor by autograd.
-    with torch._C._DisableTorchDispatch(), torch.no_grad():
-        total = None
-        for t in parts:
-            flat = t.detach().reshape(-1)
-            if flat.numel() > _FULL_DIGEST_MAX_ELEMENTS:
-                step = flat.numel() // _FULL_DIGEST_MAX_ELEMENTS + 1
-                flat = flat[::step]
-            bits = _as_int(flat.contiguous())
-            weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
-            folded = (bits * (weights * 0x9E3779B1 + 0x7F4A7C15)).sum()
-            total = folded if total is None else total * 1000003 + folded
-        assert total is not None
-        return LazyDigest(total)
-
-
-_ITEM_FORMATS = {1: "B", 2: "H", 4: "I", 8: "Q"}
-
-
-def _cpu_sample(t: torch.Tensor) -> bytes | memoryview:
-    """A CPU tensor's bytes, or an evenly strided sample of its elements, read in place.
-
-    A contiguous tensor is read through a memoryview (no tensor op, no dispatch); others are
-    made contiguous first, with our own ops hidden from every dispatch mode and from autograd.
-    """
-    numel = t.numel()
-    if numel == 0:
-        return b""
-    if not t.is_contiguous() or t.element_size() not in _ITEM_FORMATS:
-        with torch._C._DisableTorchDispatch(), torch.no_grad():
-            flat = t.detach().reshape(-1)
-            if numel > _FULL_DIGEST_MAX_ELEMENTS:
-                flat = flat[:: numel // _FULL_DIGEST_MAX_ELEMENTS + 1]
-            t = flat.contiguous()
-        numel = t.numel()
-    size = t.element_size()
-    view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr())).cast("B")
-    if numel <= _FULL_DIGEST_MAX_ELEMENTS:
-        return view
-    return view.cast(_ITEM_FORMATS[size])[:: numel // _FULL_DIGEST_MAX_ELEMENTS + 1].tobytes()
-
-
-def _as_int(flat: torch.Tensor) -> torch.Tensor:
-    """Reinterpret a tensor's bits as int64 values, on its own device."""
-    if flat.device.type == "xla":
-        # Inside a dispatch mode torch_xla hands over tensors below functionalization, where a
-        # dtype view (a bit cast) raises or segfaults: fold the values instead of the bits. A
-        # different dropout mask still changes the weighted sum by far more than 1.
-        return torch.nan_to_num(flat.to(torch.float64), nan=0.5, posinf=1e30, neginf=-1e30)
-    size = flat.element_size()
-    if flat.dtype == torch.bool:
-        return flat.to(torch.int64)
-    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-        int_dtype = {4: torch.int16, 8: torch.int32, 16: torch.int64}[size]
-    return flat.view(int_dtype).to(torch.int64)
 
 
 # ---------------------------------------------------------------------------------------------

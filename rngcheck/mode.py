@@ -21,8 +21,9 @@ from . import recompute as _recompute
 from . import torch_checkpoint
 from . import trace as _trace
 from .config import Config
+from .digest import tensor_digest
 from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
-from .generators import GeneratorRegistry, tensor_digest
+from .generators import GeneratorRegistry
 from .ops import OpKind, classify, op_device, op_generator, op_name, summarize_args
 from .policy import current_expectation
 from .recompute import RecomputeTracker
