@@ -27,7 +27,8 @@ class Config:
     window: int = 4096  # recent events kept in memory
     every: int = 1024  # with sync="step", also exchange after this many random ops
     every_steps: int = 1  # with sync="step", exchange at every Nth optimizer step only
-    timeout: float = 120.0  # seconds a rank waits for the others at an exchange
+    # Seconds a rank waits for the others at an exchange; None: the process group's own timeout.
+    timeout: float | None = None
     trace: str | None = None  # path to write the full random-op trace to (for `rngcheck diff`)
     report_path: str | None = None  # where to write this rank's JSON report
 
@@ -40,14 +41,15 @@ class Config:
         _positive_int("window", self.window)
         _positive_int("every", self.every)
         _positive_int("every_steps", self.every_steps)
-        if (
+        if self.timeout is not None and (
             isinstance(self.timeout, bool)
             or not isinstance(self.timeout, (int, float))
             or not math.isfinite(self.timeout)
             or self.timeout <= 0
         ):
             raise ValueError(
-                f"timeout must be a positive number of seconds (e.g. 120); got {self.timeout!r}"
+                "timeout must be a positive number of seconds (e.g. 600), or None for the "
+                f"process group's own timeout; got {self.timeout!r}"
             )
 
 

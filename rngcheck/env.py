@@ -170,8 +170,10 @@ VARIABLES: dict[str, Variable] = {
         Variable(
             name="RNGCHECK_TIMEOUT",
             values="seconds > 0",
-            default="120",
-            help="How long a rank waits for the others at an exchange (then: rank_missing).",
+            default="the process group's timeout",
+            help="How long a rank waits for the others at an exchange (then: rank_missing). By "
+            "default the timeout of torch.distributed's own process group, so a rank that is "
+            "only slow (saving a checkpoint, evaluating) is never reported missing.",
             parse=_seconds,
         ),
         Variable(
@@ -259,7 +261,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "on_finding": values.get("RNGCHECK_ON_FINDING", "raise"),
         "sync": values.get("RNGCHECK_SYNC", "step"),
         "expect": values.get("RNGCHECK_EXPECT", "same"),
-        "timeout": values.get("RNGCHECK_TIMEOUT", 120.0),
+        "timeout": values.get("RNGCHECK_TIMEOUT"),
         "every": values.get("RNGCHECK_EVERY_OPS", 1024),
         "window": values.get("RNGCHECK_WINDOW", 4096),
         "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
@@ -367,7 +369,36 @@ class Activation:
             self._exit(*sys.exc_info(), "rngcheck failed to start")
             raise
         os.environ[_OWNER_VAR] = str(os.getpid())
+        if self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
+            self._announce()
         return self
+
+    def _announce(self) -> None:
+        """One line at start, on the lowest rank: what is checked, how, and where reports go."""
+        import torch
+
+        mode, report = self.mode, self.mode.report
+        if report.rank != 0:
+            return
+        cfg = mode.config
+        checks = []
+        if report.world_size > 1 and cfg.sync != "off":
+            timeout = report.meta.get("rank_timeout") or {}
+            wait = f", timeout {timeout['seconds']:g} s from {timeout['from']}" if timeout else ""
+            checks.append(
+                f"random ops across ranks 0-{report.world_size - 1} (sync={cfg.sync}{wait})"
+            )
+        if cfg.check_recompute:
+            checks.append("checkpoint recomputes")
+        what = " and ".join(checks) or "random ops (nothing to compare: one process, recompute off)"
+        where = (
+            f"; reports: {self.settings.report_template}" if self.settings.report_template else ""
+        )
+        sys.stderr.write(
+            f"rngcheck: checking {what} (torch {torch.__version__}; on a finding: "
+            f"{cfg.on_finding}){where}. RNGCHECK=0 turns it off.\n"
+        )
+        sys.stderr.flush()
 
     def _patch_distributed(self) -> None:
         import torch.distributed as dist
@@ -422,6 +453,7 @@ class Activation:
         }
         self.mode.bind_distributed()
         self.bound = True
+        self._announce()
         # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
         # new findings are saved at that step.
         from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -113,6 +113,7 @@ class RandomOpEvent:
     out_of_band: OutOfBandChange | None = None  # the state changed since the last op on it
     cached: bool = False  # served from a selective-checkpoint cache: the op did not run
     region: str = ""  # innermost checkpoint region, if any
+    seed: int | None = None  # the generator's initial_seed() at the op (None: not a Generator)
 
     @property
     def output_digest(self) -> int | None:
@@ -137,6 +138,7 @@ class RandomOpEvent:
             "out_of_band": self.out_of_band.to_dict() if self.out_of_band else None,
             "cached": self.cached,
             "region": self.region,
+            "seed": self.seed,
             "stack": self.stack.to_list(),
         }
 
@@ -157,6 +159,7 @@ class RandomOpEvent:
             out_of_band=OutOfBandChange.from_dict(oob) if oob else None,
             cached=bool(data.get("cached", False)),
             region=data.get("region", ""),
+            seed=data.get("seed"),
             stack=Stack.from_list(data.get("stack", [])),
         )
 

@@ -24,7 +24,15 @@ from .config import Config
 from .digest import tensor_digest
 from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
 from .generators import GeneratorRegistry
-from .ops import OpKind, classify, op_device, op_generator, op_name, summarize_args
+from .ops import (
+    OpKind,
+    classify,
+    op_device,
+    op_generator,
+    op_name,
+    summarize_args,
+    writes_first_argument,
+)
 from .policy import current_expectation
 from .recompute import RecomputeTracker
 from .report import (
@@ -46,6 +54,7 @@ _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
 _MAX_FINDINGS = 100  # past this, findings are counted, not kept (a broken loop reports once)
 _MAX_NOTE_SITES = 64
+_DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared")  # rebuilt per read
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -102,6 +111,8 @@ class RNGConsistencyMode:
             job can keep the checker on cheaply (random ops are still recorded at every step,
             and the first divergent op is still found exactly).
         timeout: seconds to wait for other ranks at an exchange before a ``rank_missing`` finding.
+            None (the default): the process group's own timeout, the one torch.distributed's
+            collectives give up at, so a rank that is slow but within it is never missing.
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
         report_path: a path to write this rank's JSON report to at exit.
         console: a ``rich.console.Console`` to render findings on (default: stderr).
@@ -125,7 +136,7 @@ class RNGConsistencyMode:
         window: int = 4096,
         every: int = 1024,
         every_steps: int = 1,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         trace: str | None = None,
         report_path: str | None = None,
         console: Any = None,
@@ -289,7 +300,7 @@ class RNGConsistencyMode:
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
         r.ops_by_generator = dict(self._window.by_generator)
-        notes = [n for n in r.notes if n.kind not in ("backward_random_ops", "findings_dropped")]
+        notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(
                 Note(
@@ -304,6 +315,8 @@ class RNGConsistencyMode:
                     stack=stack,
                 )
             )
+        if self._ranks is not None:
+            notes.extend(self._ranks.notes())
         if self._dropped_findings:
             notes.append(
                 Note(
@@ -399,10 +412,17 @@ class RNGConsistencyMode:
         out = func(*args, **kwargs)
 
         after = tracked.read()
+        if after is not None and after == before:
+            # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a random-tagged
+            # kernel under no_grad and an untagged one with grad, so a reentrant recompute would
+            # "miss" it): not a draw of the program. The generator's last state stays as it was,
+            # so a change before this op is still seen at the next one that draws.
+            return out
         tracked.last_after = after
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):
             tracked.initial_seed = tracked.handle.initial_seed()
+        ranks = self._ranks
         tracker = self.recompute_tracker
         in_region = tracker is not None and tracker.active()
         if (
@@ -428,9 +448,15 @@ class RNGConsistencyMode:
             phase=self._phase(),
             output=tensor_digest(out) if in_region else None,
             out_of_band=oob,
+            seed=tracked.initial_seed,
         )
-        # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's group.
-        self._record(event, self._ranks.mesh_of(args, kwargs) if self._ranks is not None else None)
+        if ranks is None:
+            self._record(event)
+        else:
+            # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
+            # group; an in-place op's target tells a parameter's initialisation (Rule 4).
+            written = args[0] if args and writes_first_argument(func) else None
+            self._record(event, ranks.mesh_of(args, kwargs), written)
         return out
 
     def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -449,7 +475,7 @@ class RNGConsistencyMode:
             )
             self._record(event)
 
-    def _record(self, event: RandomOpEvent, mesh: Any = None) -> None:
+    def _record(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
         self._window.add(event)
         if self._trace is not None:
             self._trace.add(event)
@@ -458,7 +484,7 @@ class RNGConsistencyMode:
         if self.recompute_tracker is not None:
             self.recompute_tracker.on_event(event)
         if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators
-            self._ranks.on_event(event, mesh)
+            self._ranks.on_event(event, mesh, written)
 
     def _phase(self) -> Phase:
         tracker = self.recompute_tracker

@@ -76,6 +76,20 @@ def classify(func: Any) -> OpKind:
     return kind
 
 
+_WRITES: dict[Any, bool] = {}
+
+
+def writes_first_argument(func: Any) -> bool:
+    """Whether the op writes its first argument in place (``uniform_``, ``normal_``: how
+    ``nn.init`` fills a parameter)."""
+    hit = _WRITES.get(func)
+    if hit is None:
+        arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+        alias = arguments[0].alias_info if arguments else None
+        hit = _WRITES[func] = bool(alias is not None and alias.is_write)
+    return hit
+
+
 def op_name(func: Any) -> str:
     """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them."""
     return str(func)

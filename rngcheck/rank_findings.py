@@ -7,15 +7,40 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .events import RandomOpEvent, SeedCall
 from .report import Finding, FindingKind, Side, format_ranks
 from .stacks import Stack
 
-__all__ = ["Point", "Spot", "build_finding", "localise", "point_text"]
+__all__ = [
+    "POLICY_CODE",
+    "Point",
+    "Row",
+    "Spot",
+    "build_finding",
+    "init_finding",
+    "localise",
+    "per_rank_seeding",
+    "point_text",
+]
 
 _DATA_DIR = "/torch/utils/data/"
+
+# "same" by default (the mode's expectation), "differ", and "same" as declared: an expect()
+# block or a DTensor's mesh. Only the default may turn out to be a per-rank stream (Rule 3).
+POLICY_CODE = {"same": 1, "differ": 2, "declared": 3}
+
+
+class Row(NamedTuple):
+    """One random op as the ranks exchange it: six int64s, the same layout on every rank."""
+
+    structure: int  # digest of op, generator and arguments: what must run in the same order
+    stream: int  # digest of the expectation and the ranks it spans; 0: compared in order only
+    before: int  # the generator's state digest before the op (0: unreadable)
+    after: int
+    policy: int  # POLICY_CODE of the stream's expectation
+    generator: int  # digest of the generator's cross-rank name (a per-rank stream drops its rows)
 
 
 class Point(enum.IntEnum):
@@ -55,28 +80,29 @@ class Spot:
     kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
     index: int  # position in the windows (flow, points) or in the stream (state, collision)
     stream: int = 0
+    policy: int = 0  # the stream's POLICY_CODE (state, collision)
 
     def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
         """The position in ``window`` of this rank's op at the spot (past the end: none)."""
         if self.kind in ("flow", "points"):
             return self.index
-        positions = [i for i, r in enumerate(window) if r[1] == self.stream]
+        positions = [i for i, r in enumerate(window) if r.stream == self.stream]
         return positions[self.index] if self.index < len(positions) else -1
 
 
-def localise(windows: dict[int, list[tuple]], points: dict[int, Point]) -> Spot | None:
+def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | None:
     """The first place the ranks' windows disagree: different ops (control flow), then, stream by
     stream, states ("same") or shared states ("differ"), then different exchange points. None:
     they agree (two streams only shared a hashed value)."""
     length = max(len(w) for w in windows.values())
     for i in range(length):
-        if len({w[i][0] if i < len(w) else None for w in windows.values()}) > 1:
+        if len({w[i].structure if i < len(w) else None for w in windows.values()}) > 1:
             return Spot("flow", i)
-    streams: dict[int, dict[int, list[tuple]]] = {}
+    streams: dict[int, dict[int, list[Row]]] = {}
     for rank, w in windows.items():
         for r in w:
-            if r[1]:
-                streams.setdefault(r[1], {}).setdefault(rank, []).append(r)
+            if r.stream:
+                streams.setdefault(r.stream, {}).setdefault(rank, []).append(r)
     first: Spot | None = None
     first_pos = length
     for stream, by_rank in streams.items():
@@ -84,18 +110,18 @@ def localise(windows: dict[int, list[tuple]], points: dict[int, Point]) -> Spot 
             continue
         for j in range(min(len(v) for v in by_rank.values())):
             at = [v[j] for v in by_rank.values()]
-            if at[0][4] == 2:
-                states = [r[2] for r in at]
+            if at[0].policy == POLICY_CODE["differ"]:
+                states = [r.before for r in at]
                 bad = len(set(states)) < len(states)
                 kind = "collision"
             else:
-                bad = len({(r[2], r[3]) for r in at}) > 1
+                bad = len({(r.before, r.after) for r in at}) > 1
                 kind = "state"
             if bad:
                 rank0 = min(by_rank)
-                pos = [i for i, r in enumerate(windows[rank0]) if r[1] == stream][j]
+                pos = [i for i, r in enumerate(windows[rank0]) if r.stream == stream][j]
                 if pos < first_pos:
-                    first, first_pos = Spot(kind, j, stream), pos
+                    first, first_pos = Spot(kind, j, stream, at[0].policy), pos
                 break
     if first is not None:
         return first
@@ -122,7 +148,7 @@ def _ranks_word(ranks: Sequence[int]) -> str:
 
 
 def build_finding(
-    spot: Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, dict], domain: tuple
 ) -> Finding:
     if spot.kind == "flow":
         return _flow_finding(spot, windows, details, domain)
@@ -133,7 +159,7 @@ def build_finding(
         for r in domain
         if details[r].get("event") is not None
         and windows[r]
-        and any(row[1] == spot.stream for row in windows[r])
+        and any(row.stream == spot.stream for row in windows[r])
     }
     events = {r: _event(d) for r, d in involved.items()}
     if spot.kind == "collision":
@@ -171,25 +197,25 @@ def _labels(groups: list[tuple[int, ...]], culprit: int) -> tuple[list[tuple[int
 
 
 def _flow_finding(
-    spot: Spot, windows: dict[int, list[tuple]], details: dict[int, dict], domain: tuple
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, dict], domain: tuple
 ) -> Finding:
     i = spot.index
-    at = {r: (windows[r][i][0] if i < len(windows[r]) else None) for r in domain}
-    nxt = {r: (windows[r][i + 1][0] if i + 1 < len(windows[r]) else None) for r in domain}
+    at = {r: (windows[r][i].structure if i < len(windows[r]) else None) for r in domain}
     groups = _groups(at)
     events = {r: _event(details[r]) for r in domain}
     a, b = groups[0], groups[1]
-    # Which side ran the extra op? The one whose next op is what the other side runs now.
+    # Which side ran extra ops? The one that, after k ops of its own, runs what the other side
+    # runs now (or runs on where the other side's window ended); the fewer extra ops, the likelier.
+    ka, kb = _extra(windows[a[0]], i, at[b[0]]), _extra(windows[b[0]], i, at[a[0]])
     culprit = 1
     extra_side: tuple[int, ...] | None = None
-    if at[b[0]] is not None and nxt[b[0]] == at[a[0]]:
-        extra_side = b
-    elif at[a[0]] is not None and (nxt[a[0]] == at[b[0]] or at[b[0]] is None):
-        extra_side = a
+    extra = 0
+    if kb and (not ka or kb <= ka):
+        extra_side, extra = b, kb
+    elif ka:
+        extra_side, extra = a, ka
         if len(a) == len(b):
             culprit = 0
-    elif at[a[0]] is None:
-        extra_side = b
     if culprit == 0:
         groups = [b, a, *groups[2:]]
         culprit = 1
@@ -200,14 +226,16 @@ def _flow_finding(
         others = tuple(r for r in domain if r not in extra_side)
         ev = events[extra_side[0]]
         assert ev is not None
+        what = "an extra random op" if extra == 1 else f"{extra} extra random ops, the first"
         cause = (
-            f"{_ranks_word(extra_side)} ran an extra random op, {ev.op} on {ev.generator.label} "
+            f"{_ranks_word(extra_side)} ran {what}, {ev.op} on {ev.generator.label} "
             f"at {ev.site}, that {_ranks_word(others)} did not run there (control flow that "
             "depends on the rank)"
         )
         if len(extra_side) > len(others):  # most ranks ran it: the few skipped it
+            what = "a random op" if extra == 1 else f"{extra} random ops, the first"
             cause = (
-                f"{_ranks_word(others)} skipped a random op, {ev.op} on {ev.generator.label} at "
+                f"{_ranks_word(others)} skipped {what}, {ev.op} on {ev.generator.label} at "
                 f"{ev.site}, that {_ranks_word(extra_side)} ran (control flow that depends on "
                 "the rank)"
             )
@@ -252,6 +280,21 @@ def _flow_finding(
     )
 
 
+_LOOKAHEAD = 256  # extra ops one side may have run before the sides line up again
+
+
+def _extra(window: list[Row], i: int, other: int | None) -> int:
+    """How many ops ``window`` runs from ``i`` before it runs ``other`` (the other side's op at
+    ``i``; None: the other side's window ended there, so all of this one's are extra). 0: never
+    within the lookahead."""
+    if other is None:
+        return max(len(window) - i, 0)
+    for k in range(1, min(_LOOKAHEAD, len(window) - i)):
+        if window[i + k].structure == other:
+            return k
+    return 0
+
+
 def _describe(side: Side) -> str:
     who = _ranks_word(side.ranks)
     if side.event is None:
@@ -291,20 +334,21 @@ def _seed_text(detail: dict[str, Any], event: RandomOpEvent) -> str:
 def _ignored_text(
     details: dict[int, dict], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
 ) -> str:
-    """Random ops under expect("ignore") that drew from the generator on some ranks only."""
+    """Random ops rngcheck does not compare (under expect("ignore"), in a data-parallel forward)
+    that drew from the generator on some ranks only, or a different number of times."""
     parts = []
     for ranks in (odd, ref):
         ignored = details[ranks[0]].get("ignored")
         if ignored:
-            count, op, site = ignored
+            count, op, site, why = ignored
             parts.append(
-                f"{_ranks_word(ranks)} drew {count} random op(s) under expect('ignore') from {gen} "
+                f"{_ranks_word(ranks)} drew {count} random op(s) {why} from {gen} "
                 f"since its last checked op (the last: {op} at {site})"
             )
         else:
             parts.append(f"{_ranks_word(ranks)} drew none")
     return (
-        "; ".join(parts) + ". Ignored ops are not compared, but they still advance the generator "
+        "; ".join(parts) + ". Those ops are not compared, but they still advance the generator "
         "the checked ops draw from: give them their own torch.Generator"
     )
 
@@ -410,4 +454,49 @@ def _collision_finding(
         stack=ev.stack,
         sides=sides,
         seq=ev.seq,
+    )
+
+
+def per_rank_seeding(spot: Spot, details: dict[int, dict]) -> tuple[RandomOpEvent, str] | None:
+    """When the ranks' states differ at ``spot`` because the generator was seeded differently on
+    each rank (its initial seeds differ: ``torch.manual_seed(seed + rank)``, a per-rank
+    ``torch.Generator``), that generator (one rank's event of it) and why, in words; else None."""
+    if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
+        return None
+    events = {r: _event(d) for r, d in details.items()}
+    evs = {r: e for r, e in events.items() if e is not None}
+    seeds = {r: e.seed for r, e in evs.items()}
+    if len(evs) < 2 or None in seeds.values() or len(set(seeds.values())) < 2:
+        return None
+    first = evs[min(evs)]
+    by_seed = _groups(seeds)
+    how = "; ".join(f"{seeds[g[0]]} on {_ranks_word(g)}" for g in by_seed[:4])
+    calls = {r: _seed_text(details[r], e) for r, e in evs.items()}
+    sites = "; ".join(f"{_ranks_word((r,))}: {t}" for r, t in sorted(calls.items()) if t)
+    why = f"{first.generator.short_label} is seeded differently on each rank (initial seed {how}"
+    return first, why + (f"; {sites})" if sites else ")")
+
+
+def init_finding(finding: Finding, details: dict[int, dict]) -> Finding:
+    """A divergence among parameter initialisations, settled at the first step (Rule 4): the
+    parameters are replicated, and nothing broadcast them."""
+    from dataclasses import replace
+
+    wrappers = details[min(details)].get("dp") or []
+    without = (
+        f" ({'; '.join(wrappers)} does not broadcast module states at construction)"
+        if wrappers
+        else ""
+    )
+    cause = (
+        f"nothing broadcast these replicated parameters before the first step{without}, and "
+        f"{finding.cause}. (DistributedDataParallel broadcasts module states from rank 0 when it "
+        "is built; FSDP without sync_module_states, fully_shard and a hand-written gradient "
+        "all-reduce do not: broadcast the parameters, or seed every rank alike before building "
+        "the model.)"
+    )
+    return replace(
+        finding,
+        message=f"parameters initialised differently across ranks: {finding.message}",
+        cause=cause,
     )

@@ -26,9 +26,9 @@ collectives and a mismatch found one exchange late still gathers round r's rows.
 ``mode.check()`` and exit wait for their own round too: no rank walks into a collective the others
 will not make with a mismatch still unknown. ``sync="op"`` waits at every exchange.
 
-Every collective passes the checker's group; a rank that does not arrive within
-``config.timeout`` gives a ``rank_missing`` finding (gloo honours the group timeout) instead of a
-hang, and after any finding the checker stops exchanging. Localising and describing the
+Every collective passes the checker's group; a rank that does not arrive within the timeout (by
+default the process group's own) gives a ``rank_missing`` finding (gloo honours the group timeout)
+instead of a hang, and after any finding the checker stops exchanging. Localising and describing the
 divergence from the gathered data is ``rank_findings.py``'s job.
 """
 
@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -52,20 +53,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .events import RandomOpEvent
+from .data_parallel import DataParallelTracker, Wrapper
+from .events import Phase, RandomOpEvent
 from .policy import current_expectation
-from .rank_findings import Point, build_finding, localise, point_text
-from .report import Finding, FindingKind, Side, format_ranks
+from .rank_findings import (
+    POLICY_CODE,
+    Point,
+    Row,
+    build_finding,
+    init_finding,
+    localise,
+    per_rank_seeding,
+    point_text,
+)
+from .report import Finding, FindingKind, Note, Side, format_ranks
 from .stacks import Stack
 
 __all__ = ["ExchangeStats", "RankChecker", "exchange_stats", "op_mesh", "start"]
 
 log = logging.getLogger(__name__)
 
-_HEADER = 9  # (x, -x) for round, point, structure and the group-wide stream; a parts flag
+# (x, -x) for the round, the point, the structure, the group-wide stream and the parameter
+# initialisations (Rule 4; 0 until they are settled), then a flag: streams over parts of the group.
+_HEADER = 11
+_INIT_SLOT = 8
 _MASK62 = (1 << 62) - 1
-_ROW = 5  # structure, stream, before, after, policy
-_POLICY_CODE = {"same": 1, "differ": 2}
+_ROW = len(Row._fields)
+_MAX_INIT = 100_000  # parameter initialisations kept for the settle point
 _MAX_GROUPS = 256  # resolved group specs kept
 # With sync="step", the rounds of these points stay in flight until the next exchange point. A
 # collective (an alignment point), mode.check() and exit wait for their own round: a rank must
@@ -98,14 +112,27 @@ class _Round:
     number: int
     point: Point
     where: str
-    rows: list[tuple[int, int, int, int, int]]
+    rows: list[Row]
     events: list[RandomOpEvent]
     first_use: set[int]
-    ignored_before: dict[int, tuple[int, str, str]]
+    ignored_before: dict[int, tuple[int, str, str, str]]
     vec: torch.Tensor
     parts: dict[int, list[tuple[int, ...]]]
     stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
+    init: list[_Init] | None = None  # the parameter initialisations this round settles
+    held: list[Finding] | None = None  # per-rank seeding held back until this round (Rule 3)
     work: Any = None
+
+
+@dataclass(slots=True)
+class _Init:
+    """A random op that initialised a parameter: its state is compared at the settle point, and
+    not at all if a data-parallel wrapper broadcasts that parameter first (Rule 4)."""
+
+    row: Row
+    event: RandomOpEvent
+    storage: int  # the parameter's storage, as the wrapper's broadcast names it
+    parameter: weakref.ref[Any]  # dead once replaced (tied weights, or sharded into new storage)
 
 
 def _h62(data: bytes) -> int:
@@ -211,7 +238,15 @@ class RankChecker:
         checked within the rank's ``group`` (its partition), not across partitions.
     """
 
-    def __init__(self, mode: Any, side: Any, domain: tuple[int, ...], rank: int, world: int):
+    def __init__(
+        self,
+        mode: Any,
+        side: Any,
+        domain: tuple[int, ...],
+        rank: int,
+        world: int,
+        timeout: float,
+    ):
         self._mode = mode
         self._cfg = mode.config
         self._side = side
@@ -221,7 +256,7 @@ class RankChecker:
         self.world = world
         self.stats = ExchangeStats()
         self._pending: list[RandomOpEvent] = []
-        self._rows: list[tuple[int, int, int, int, int]] = []
+        self._rows: list[Row] = []
         self._round = 0
         self._inflight: _Round | None = None  # posted, not yet waited for
         self._stopped = False
@@ -237,49 +272,80 @@ class RankChecker:
         self._groups: dict[Any, tuple[Any, tuple[int, ...] | None]] = {}
         self._seen_generators: set[str] = set()
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
-        self._ignored: dict[str, tuple[int, str, str]] = {}  # generator -> ignored ops since
-        self._ignored_before: dict[int, tuple[int, str, str]] = {}  # pending index -> those ops
+        # generator -> (count, last op, its site, why) of its uncompared ops since its last row
+        self._ignored: dict[str, tuple[int, str, str, str]] = {}
+        self._ignored_before: dict[int, tuple[int, str, str, str]] = {}  # pending index -> those
         self._warned_specs: set[str] = set()
-        self._timeout = timedelta(seconds=float(self._cfg.timeout))
+        self.timeout = timeout
+        self._timeout = timedelta(seconds=timeout)
+        # Data parallelism (the rules of "what must agree with what", numbered in the README and
+        # cited here): Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3,
+        # a generator seeded per rank in a data-parallel program is a per-rank stream; Rule 4,
+        # parameter initialisations are settled at the first step, unless a wrapper broadcast them.
+        self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)
+        self._dp.install()
+        self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
+        self._per_rank_keys: set[str] = set()
+        self._init: list[_Init] = []
+        self._init_due = False  # the next exchange settles the parameter initialisations
+        self._init_settled = False
+        self._broadcast_inits: dict[str, int] = {}  # wrapper label -> initialisations it covered
+        self._held: list[Finding] = []  # per-rank seeding seen before the program was known DP
         # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
         # rows and treat no collective as an alignment point, so they cost nothing here; a
         # divergence that starts on one still shows at the next checked step (the states differ).
         self._steps = 0
         self._checking = True
-        self._hook = None
-        if self._cfg.sync == "step":
-            from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._hook = register_optimizer_step_post_hook(self._on_step)
+        self._hook = register_optimizer_step_post_hook(self._on_step)
         report = mode._report
         report.rank, report.world_size = rank, world
         self._publish()
 
     # -- inputs from the mode ----------------------------------------------------------------
 
-    def on_event(self, event: RandomOpEvent, mesh: Any = None) -> None:
+    def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
+        """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy or not self._checking:
             return
-        if event.expect == "ignore":
+        why = self._uncompared(event, mesh)
+        if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
             with self._lock:
                 count = self._ignored.get(_gen_key(event), (0,))[0]
-                self._ignored[_gen_key(event)] = (count + 1, event.op, event.site)
+                self._ignored[_gen_key(event)] = (count + 1, event.op, event.site, why)
             return
         with self._lock:
-            self._add(event, mesh)
+            self._add(event, mesh, written)
         if self._cfg.sync == "op":
             self._exchange(Point.RANDOM_OP, event.op)
         elif len(self._rows) >= self._cfg.every:
             self._exchange(Point.EVERY, "")
 
-    def _add(self, event: RandomOpEvent, mesh: Any) -> None:
+    def _uncompared(self, event: RandomOpEvent, mesh: Any) -> str:
+        """Why this op is not compared across ranks ("" when it is)."""
+        if event.expect == "ignore":
+            return "under expect('ignore')"
+        if mesh is not None or current_expectation() is not None:
+            return ""  # declared: DTensor's contract (its mesh), or the user's expect block
+        wrapper = self._dp.current(event.phase is not Phase.FORWARD)
+        if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
+            self._dp.count(wrapper)
+            return f"in the data-parallel forward/backward of {wrapper.label}"
+        if _gen_key(event) in self._per_rank_keys:  # Rule 3
+            return "on a per-rank stream"
+        return ""
+
+    def _add(self, event: RandomOpEvent, mesh: Any, written: Any) -> None:
         exp = current_expectation()
         spec = exp.group if exp is not None else None
         members = self._members(spec, mesh)
-        policy = event.expect if event.expect in _POLICY_CODE else "same"
+        policy = event.expect if event.expect in POLICY_CODE else "same"
         stream = _text_hash(policy, ",".join(map(str, members))) if members else 0
+        declared = exp is not None or mesh is not None
+        code = POLICY_CODE["declared" if declared and policy == "same" else policy]
         if members:
             self._stream_members[stream] = members
         gen = _gen_key(event)
@@ -289,16 +355,28 @@ class RankChecker:
         ignored = self._ignored.pop(gen, None)
         if ignored is not None:
             self._ignored_before[len(self._pending)] = ignored
-        self._pending.append(event)
-        self._rows.append(
-            (
-                _text_hash(event.op, gen, *event.args),
-                stream,
-                event.before if event.before is not None else 0,
-                event.after if event.after is not None else 0,
-                _POLICY_CODE[policy],
-            )
+        row = Row(
+            structure=_text_hash(event.op, gen, *event.args),
+            stream=stream,
+            before=event.before if event.before is not None else 0,
+            after=event.after if event.after is not None else 0,
+            policy=code,
+            generator=_text_hash(gen),
         )
+        if (
+            stream
+            and not self._init_settled
+            and mesh is None
+            and isinstance(written, torch.nn.Parameter)
+            and len(self._init) < _MAX_INIT
+        ):
+            # A parameter's initialisation (Rule 4): its order is compared now, its state at the
+            # settle point, and not at all if a data-parallel wrapper broadcasts the parameter.
+            storage = written.untyped_storage().data_ptr()
+            self._init.append(_Init(row, event, storage, weakref.ref(written)))
+            row = row._replace(stream=0)
+        self._pending.append(event)
+        self._rows.append(row)
 
     @staticmethod
     def mesh_of(args: tuple, kwargs: dict) -> Any:
@@ -310,22 +388,88 @@ class RankChecker:
             self._exchange(Point.COLLECTIVE, str(func))
 
     def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if self._checking:
+        self._dp.on_step()
+        self._dp.refresh()
+        self._settle_due()
+        if self._checking and self._cfg.sync == "step":
             self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
         self._steps += 1
         self._checking = self._steps % self._cfg.every_steps == 0
 
     def check(self) -> None:
+        self._settle_due()
         self._exchange(Point.CHECK, "mode.check()")
 
     def finish(self) -> None:
         self._finished = True
+        self._settle_due()
         self._exchange(Point.EXIT, "")
+
+    # -- data parallelism ------------------------------------------------------------------------
+
+    def _settle_due(self) -> None:
+        """The program reached its first step (or a data-parallel forward, check() or exit): the
+        next exchange settles the parameter initialisations and the held per-rank findings."""
+        if not self._init_settled:
+            self._init_due = True
+
+    def _on_wrapper(self, wrapper: Wrapper) -> None:
+        """A data-parallel wrapper is being built (before its own collectives) or first ran."""
+        if not wrapper.broadcasts:
+            return
+        with self._lock:
+            # A parameter that no longer exists (replaced by a tied one before the wrapper was
+            # built) holds nothing replicated once the module's live states are overwritten.
+            kept = [
+                i
+                for i in self._init
+                if i.storage not in wrapper.storages and i.parameter() is not None
+            ]
+            covered = len(self._init) - len(kept)
+            if covered:  # Rule 4: the broadcast overwrites whatever these drew
+                self._init = kept
+                self._broadcast_inits[wrapper.label] = (
+                    self._broadcast_inits.get(wrapper.label, 0) + covered
+                )
+
+    def notes(self) -> list[Note]:
+        """What the data-parallel rules left uncompared, for the report (``rngcheck show``)."""
+        out = []
+        for label, count in self._dp.ops.items():
+            out.append(
+                Note(
+                    kind="not_compared",
+                    message=f"not compared: {count} random op(s) in the forward and backward of "
+                    f"{label} (data-parallel: each rank draws for its own batch).",
+                    count=count,
+                )
+            )
+        for label, count in self._broadcast_inits.items():
+            out.append(
+                Note(
+                    kind="not_compared",
+                    message=f"not compared: {count} parameter initialisation(s); {label} "
+                    "broadcast the module's states from one rank when it was built.",
+                    count=count,
+                )
+            )
+        if self._dp.wrappers:
+            programs = "; ".join(w.label for w in self._dp.wrappers)
+            for why in self._per_rank.values():
+                out.append(
+                    Note(
+                        kind="not_compared",
+                        message=f"not compared: {why}, in a data-parallel program ({programs}): "
+                        "a per-rank stream (seed + rank, per-rank data generators).",
+                    )
+                )
+        return out
 
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._dp.uninstall()
         if not (self._finished or self._stopped):
             # Leaving early (an exception in the block): tell the ranks that will wait for us.
             exc = sys.exc_info()[1]
@@ -436,9 +580,16 @@ class RankChecker:
         finding = self._settle(point, where)
         if finding is not None or self._stopped:
             return finding
+        init = held = None
+        if self._init_due:
+            # Rule 4's settle point; the per-rank seeding held back (Rule 3) is judged here too,
+            # after the initialisations (they come first in the program).
+            init, self._init = self._init, []
+            held, self._held = self._held, []
+            self._init_due, self._init_settled = False, True
         self._round += 1
         self.stats.exchanges += 1
-        vec, parts = self._fast_vector(point, self._rows)
+        vec, parts = self._fast_vector(point, self._rows, init)
         pipelined = self._cfg.sync == "step" and point in _PIPELINED
         sent = _Round(
             number=self._round,
@@ -451,6 +602,8 @@ class RankChecker:
             vec=vec,
             parts=parts,
             stack=Stack.capture() if pipelined else None,
+            init=init,
+            held=held or None,
         )
         self._clear()  # the window now belongs to the round until it is settled
         try:
@@ -474,8 +627,10 @@ class RankChecker:
                 sent.work.wait(self._timeout)
             except RuntimeError as e:
                 raise _PeerLost(e) from e
-            mismatch = _mismatched(sent.vec)
-            if not mismatch and int(sent.vec[_HEADER - 1]) > 0:
+            v = sent.vec.tolist()
+            mismatch = any(v[i] != -v[i + 1] for i in range(0, _INIT_SLOT, 2))
+            init_mismatch = v[_INIT_SLOT] != -v[_INIT_SLOT + 1]
+            if not mismatch and v[_HEADER - 1] > 0:
                 # Streams over parts of the group: each checked on its own small gloo group (the
                 # structure digest above guarantees every member has the same streams), then
                 # one flag so that the whole group agrees on whether to gather. Blocking; every
@@ -484,10 +639,22 @@ class RankChecker:
                 flag = torch.tensor([1 if local else 0], dtype=torch.int64)
                 self._all_reduce("fast", flag, dist.ReduceOp.MAX)
                 mismatch = bool(flag[0])
-            if not mismatch:
-                return None
-            self.stats.mismatches += 1
-            return self._slow_path(sent)
+            finding = None
+            if mismatch:
+                self.stats.mismatches += 1
+                finding = self._slow_path(sent, sent.rows, sent.events, init=False)
+            if finding is None and init_mismatch and not self._stopped:
+                self.stats.mismatches += 1
+                assert sent.init is not None
+                finding = self._slow_path(
+                    sent, [i.row for i in sent.init], [i.event for i in sent.init], init=True
+                )
+            if finding is None and sent.held and not self._dp.active:
+                finding = sent.held[0]  # seeded per rank, and the program is not data-parallel
+            if finding is not None:
+                self._stopped = True  # one report, then no more exchanges: later ops would differ
+                self._clear()
+            return finding
         except _PeerLost as e:  # gloo: the group timeout, or a peer that went away
             self._stopped = True
             return self._missing(sent, point, where, e.__cause__ or e)
@@ -499,18 +666,22 @@ class RankChecker:
         self._ignored_before = {}
 
     def _fast_vector(
-        self, point: Point, rows: list[tuple[int, ...]]
-    ) -> tuple[torch.Tensor, dict[int, list[tuple[int, ...]]]]:
+        self, point: Point, rows: list[Row], init: list[_Init] | None
+    ) -> tuple[torch.Tensor, dict[int, list[Row]]]:
         """The group-wide vector, and this rank's streams over parts of the group."""
-        structure = _fold(r[0] for r in rows)
-        whole: list[tuple[int, ...]] = []
-        parts: dict[int, list[tuple[int, ...]]] = {}
+        structure = _fold(r.structure for r in rows)
+        whole: list[Row] = []
+        parts: dict[int, list[Row]] = {}
         for r in rows:
-            if r[1] == self._whole_stream:
+            if r.stream == self._whole_stream:
                 whole.append(r)
-            elif r[1]:
-                parts.setdefault(r[1], []).append(r)
-        x = _fold(v for r in whole for v in (r[0], r[2], r[3]))
+            elif r.stream:
+                parts.setdefault(r.stream, []).append(r)
+        x = _fold(v for r in whole for v in (r.structure, r.before, r.after))
+        # The parameter initialisations, at the one round that settles them (Rule 4).
+        y = 0
+        if init is not None:
+            y = _fold([len(init), *(v for i in init for v in (i.row.structure, i.row.before))])
         vec = torch.tensor(
             [
                 self._round,
@@ -521,13 +692,15 @@ class RankChecker:
                 -structure,
                 x,
                 -x,
+                y,
+                -y,
                 1 if parts else 0,
             ],
             dtype=torch.int64,
         )
         return vec, parts
 
-    def _partition_rounds(self, parts: dict[int, list[tuple[int, ...]]]) -> bool:
+    def _partition_rounds(self, parts: dict[int, list[Row]]) -> bool:
         """Check this rank's part-of-the-group streams, in the same (sorted) order on every rank
         so that no two ranks wait for each other in opposite orders. True: one disagrees."""
         bad = False
@@ -535,15 +708,15 @@ class RankChecker:
             members = self._stream_members[stream]
             srows = parts[stream]
             pg = self._subgroup(members)
-            if srows[0][4] == _POLICY_CODE["differ"]:
-                mine = torch.tensor([_fold(v for r in srows for v in (r[0], r[2]))])
+            if srows[0].policy == POLICY_CODE["differ"]:
+                mine = torch.tensor([_fold(v for r in srows for v in (r.structure, r.before))])
                 out = [torch.empty_like(mine) for _ in members]
                 self._count(mine)
                 _wait(lambda pg=pg, out=out, mine=mine: pg.allgather([out], [mine]))
                 values = [int(o) for o in out]
                 bad = bad or len(set(values)) < len(values)  # two ranks share their states
             else:
-                x = _fold([stream, *(v for r in srows for v in (r[0], r[2], r[3]))])
+                x = _fold([stream, *(v for r in srows for v in (r.structure, r.before, r.after))])
                 t = torch.tensor([x, -x], dtype=torch.int64)
                 self._count(t)
                 _wait(lambda pg=pg, t=t: pg.allreduce([t], _max_options()))
@@ -575,9 +748,17 @@ class RankChecker:
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 
-    def _slow_path(self, sent: _Round) -> Finding | None:
-        rows, events, point = sent.rows, sent.events, sent.point
-        head = torch.tensor([len(rows), sent.number, int(point)], dtype=torch.int64)
+    def _slow_path(
+        self, sent: _Round, rows: list[Row], events: list[RandomOpEvent], *, init: bool
+    ) -> Finding | None:
+        """Gather every rank's rows, find the first divergent op, gather its detail, and judge it.
+
+        A divergence explained by per-rank seeding is not a finding in a data-parallel program
+        (Rule 3): the generator becomes a per-rank stream, its rows leave the comparison, and the
+        rest of the round is judged again (every rank runs the same loop on the same gathered
+        data). ``init``: ``rows`` are the parameter initialisations settled this round (Rule 4).
+        """
+        head = torch.tensor([len(rows), sent.number, int(sent.point)], dtype=torch.int64)
         heads = [h.tolist() for h in self._all_gather(head)]
         length = max(h[0] for h in heads)
         mine = torch.zeros((max(length, 1), _ROW), dtype=torch.int64)
@@ -585,39 +766,68 @@ class RankChecker:
             mine[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
         gathered = self._all_gather(mine)
         windows = {
-            rank: [tuple(r) for r in t[: h[0]].tolist()]
+            rank: [Row(*r) for r in t[: h[0]].tolist()]
             for rank, t, h in zip(self._domain, gathered, heads, strict=True)
         }
         points = {rank: Point(h[2]) for rank, h in zip(self._domain, heads, strict=True)}
-        spot = localise(windows, points)
-        if spot is None:  # two streams shared a hashed slot: no real divergence
-            return None
-        index = spot.index_for(self.rank, windows[self.rank])
         stack = sent.stack if sent.stack is not None else Stack.capture()
-        blob = {
-            "event": events[index].to_dict() if 0 <= index < len(events) else None,
-            "point": point_text(points[self.rank], sent.where, stack),
-            "seed_calls": self._seed_calls(events[index]) if index in sent.first_use else [],
-            "ignored": sent.ignored_before.get(index),
-        }
-        details = self._gather_text(json.dumps(blob))
-        self._stopped = True  # one report, then no more exchanges: later ops would all differ
-        self._clear()
-        try:
-            return build_finding(spot, windows, details, self._domain)
-        except Exception as e:  # noqa: BLE001 - never let a describing bug escape into training
-            log.exception("rngcheck could not describe a cross-rank divergence")
-            return Finding(
-                kind=FindingKind.RANK_DIVERGENCE,
-                message=(
-                    f"the ranks disagree at random op {spot.index} of exchange #{sent.number} "
-                    f"({spot.kind}); rngcheck could not describe it ({type(e).__name__}: {e})"
-                ),
-                op=events[index].op if 0 <= index < len(events) else "",
-                differs=spot.kind,
-                ranks=self._domain,
-                stack=stack,
-            )
+        where = point_text(points[self.rank], sent.where, stack)
+        while True:
+            # Per-rank streams leave the comparison (Rule 3), but not parameter initialisations:
+            # a replicated parameter drawn from a per-rank stream is still wrong (Rule 4).
+            skip = () if init else self._per_rank
+            kept = {
+                r: [i for i, row in enumerate(w) if row.generator not in skip]
+                for r, w in windows.items()
+            }
+            view = {r: [windows[r][i] for i in kept[r]] for r in windows}
+            spot = localise(view, points if not init else dict.fromkeys(points, sent.point))
+            if spot is None:  # no divergence left (or two streams shared a hashed slot)
+                return None
+            at = spot.index_for(self.rank, view[self.rank])
+            index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
+            event = events[index] if index >= 0 else None
+            blob = {
+                "event": event.to_dict() if event is not None else None,
+                "point": where,
+                "seed_calls": self._seed_calls(event)
+                if event is not None and (init or index in sent.first_use)
+                else [],
+                "ignored": None if init else sent.ignored_before.get(index),
+                "dp": [w.label for w in self._dp.wrappers],
+            }
+            details = self._gather_text(json.dumps(blob))
+            try:
+                finding = build_finding(spot, view, details, self._domain)
+            except Exception as e:  # noqa: BLE001 - never let a describing bug escape into training
+                log.exception("rngcheck could not describe a cross-rank divergence")
+                return Finding(
+                    kind=FindingKind.RANK_DIVERGENCE,
+                    message=(
+                        f"the ranks disagree at random op {spot.index} of exchange "
+                        f"#{sent.number} ({spot.kind}); rngcheck could not describe it "
+                        f"({type(e).__name__}: {e})"
+                    ),
+                    op=event.op if event is not None else "",
+                    differs=spot.kind,
+                    ranks=self._domain,
+                    stack=stack,
+                )
+            if init:
+                return init_finding(finding, details)
+            seeded = per_rank_seeding(spot, details)
+            if seeded is None:
+                return finding
+            # Rule 3: a per-rank stream. Its rows leave the comparison from here on; the finding
+            # is held until the settle point when the program is not known data-parallel yet.
+            first, why = seeded
+            key = _gen_key(first)
+            self._per_rank[_text_hash(key)] = why
+            self._per_rank_keys.add(key)
+            if not details[min(details)]["dp"]:
+                if self._init_settled:
+                    return finding  # past the settle point and not data-parallel: a finding
+                self._held.append(finding)
 
     def _gather_text(self, text: str) -> dict[int, dict[str, Any]]:
         data = text.encode()
@@ -647,7 +857,7 @@ class RankChecker:
         number = sent.number
         # A pipelined round was sent at an earlier point and waited for here.
         sent_at = point_text(sent.point, sent.where, sent.stack) if sent.stack is not None else here
-        arrived = self._board.arrivals(number, self.rank, self._domain, min(5.0, self._cfg.timeout))
+        arrived = self._board.arrivals(number, self.rank, self._domain, min(5.0, self.timeout))
         missing = tuple(r for r in self._domain if r not in arrived)
         late = not missing  # everyone else also gave up here: this rank is the one that came late
         if late:
@@ -670,14 +880,14 @@ class RankChecker:
         )
         message = (
             f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{number} within "
-            f"{self._cfg.timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
+            f"{self.timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
         )
         if sent_at != here:
             message += f" (exchange #{number} was sent at {sent_at})"
         if late:
             message = (
                 f"this rank ({self.rank}) reached RNG exchange #{number} at {sent_at} after "
-                f"rank(s) {format_ranks(arrived)} had given up waiting ({self._cfg.timeout:g} s)"
+                f"rank(s) {format_ranks(arrived)} had given up waiting ({self.timeout:g} s)"
             )
         return Finding(
             kind=FindingKind.RANK_MISSING,
@@ -792,10 +1002,12 @@ def start(mode: Any) -> RankChecker | None:
         return None
     cfg = mode.config
     rank, world = dist.get_rank(), dist.get_world_size()
-    timeout = timedelta(seconds=float(cfg.timeout))
+    seconds, source = (cfg.timeout, "timeout=") if cfg.timeout is not None else _group_timeout()
+    timeout = timedelta(seconds=seconds)
     # A bad group= fails here, the same way on every rank, before any group exists.
     domain = resolve_group(cfg.group, rank, world, cfg.group if _is_mesh(cfg.group) else None)
     with torch._C._DisableTorchDispatch():
+        _await_every_rank(rank, world, seconds)
         world_side = dist.new_group(backend="gloo", timeout=timeout)
         try:
             parts, t = _agree(world_side, cfg, domain, world)
@@ -815,10 +1027,81 @@ def start(mode: Any) -> RankChecker | None:
             "rngcheck: rank %d is outside group=%r; it is not checked across ranks", rank, cfg.group
         )
         return None
-    checker = RankChecker(mode, side, domain, rank, world)
+    checker = RankChecker(mode, side, domain, rank, world, seconds)
     checker.stats.setup_calls, checker.stats.setup_bytes = 1, t.numel() * t.element_size()
+    mode._report.meta["rank_timeout"] = {"seconds": seconds, "from": source}
     checker._publish()
     return checker
+
+
+def _group_timeout() -> tuple[float, str]:
+    """The default process group's own timeout: the one torch.distributed's collectives would
+    give up at anyway, so a rank that is slow but within it (saving a checkpoint, evaluating)
+    is never reported missing. (``Backend.options._timeout``, the same on torch 2.9 to 2.14.)"""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            seconds = group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:  # noqa: BLE001 - no backend for that device, or another layout
+            continue
+        if seconds > 0:
+            return seconds, "the process group"
+    try:
+        default = dist.distributed_c10d._get_default_timeout(dist.get_backend())
+        return default.total_seconds(), "torch.distributed's default"
+    except Exception:  # noqa: BLE001 - a torch without the helper
+        return 1800.0, "torch.distributed's default"
+
+
+_ENTRIES = [0]  # the modes this process started across ranks: the same count on every rank
+
+
+def _await_every_rank(rank: int, world: int, timeout: float) -> None:
+    """Wait until every rank has entered the mode (the start is collective), through the c10d
+    store, so a mode entered on some ranks only ends in one clear error on each rank that did,
+    instead of a raw store timeout inside torch.distributed.new_group."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        store = _get_default_store()
+    except Exception:  # noqa: BLE001 - no store to meet on: new_group will tell
+        return
+    prefix = f"rngcheck/enter/{_ENTRIES[0] + 1}/"
+    store.set(f"{prefix}{rank}", "1")
+    count = store.add(f"{prefix}count", 1)
+    start = time.monotonic()
+    pause = 0.01
+    warned = False
+    while count < world:
+        waited = time.monotonic() - start
+        if waited > timeout:
+            here = [r for r in range(world) if store.check([f"{prefix}{r}"])]
+            missing = [r for r in range(world) if r not in here]
+            # Leave no trace: this start did not happen, so the next one (on every rank) meets
+            # under the same number, from a clean count.
+            store.add(f"{prefix}count", -1)
+            store.delete_key(f"{prefix}{rank}")
+            raise RuntimeError(
+                f"rngcheck: the RNGConsistencyMode was entered on {_ranks(here)} of {world} but "
+                f"not on {_ranks(missing)} within {timeout:g} s. Checking across ranks is "
+                "collective: enter the mode on every rank (the same `with` block, or RNGCHECK=1 "
+                "for the whole job), or pass sync='off' where only some ranks run the checked code."
+            )
+        if not warned and waited > 10:
+            warned = True
+            warnings.warn(
+                f"rngcheck: rank {rank} entered the RNGConsistencyMode and waits for the other "
+                f"ranks to enter it too (up to {timeout:g} s)",
+                stacklevel=4,
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+        count = store.add(f"{prefix}count", 0)
+    _ENTRIES[0] += 1
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) != 1 else ''} {format_ranks(ranks)}"
 
 
 def _agree(

@@ -175,6 +175,7 @@ def test_clean_script_runs_checked_and_leaves_report_and_full_trace(tmp_path: Pa
     assert report.ok and report.random_ops > 10
     assert report.meta["activated_by"] == "RNGCHECK"
     assert report.meta["argv"][0].endswith("train_clean.py")
+    assert r.stderr.count("rngcheck: checking checkpoint recomputes (torch ") == 1
     summary = f"rngcheck: {report.random_ops} random op(s) checked, no findings; reports: {out}"
     assert summary in r.stderr
     trace = read_trace(out / "rank0.trace.jsonl")
@@ -263,6 +264,9 @@ def test_torchrun_two_ranks_record_renders_each_finding_once_at_exit(tmp_path: P
     r = _torchrun(2, "train_buggy.py", RNGCHECK="1", **record)
     _skip_until_ranks_land(r)
     assert r.returncode == 0, r.stderr[-3000:]  # record: the job runs to the end
+    # One start-up line, from rank 0, naming the timeout that applies (torchrun's gloo group's).
+    start = "rngcheck: checking random ops across ranks 0-1 (sync=step, timeout 1800 s from the "
+    assert r.stderr.count(start + "process group) and checkpoint recomputes") == 1
     assert r.stdout.count("training finished") == 2
     reports = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
     kinds = [sorted({f.kind.value for f in rep.findings}) for rep in reports]
@@ -293,12 +297,15 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     traces = [str(clean / f"rank{i}.trace.jsonl") for i in range(2)]
     assert cli_main(["diff", *traces]) == 0
 
-    out = {"RNGCHECK_REPORT": str(buggy), "RNGCHECK_TRACE": str(buggy)}
+    # The recompute check off: its finding (in the first backward) would stop the run before the
+    # first step settles the parameters' initialisations.
+    out = {"RNGCHECK_REPORT": str(buggy), "RNGCHECK_TRACE": str(buggy), "RNGCHECK_RECOMPUTE": "0"}
     r = _torchrun(2, "train_buggy.py", RNGCHECK="1", **out)
     assert r.returncode != 0
     assert "training finished" not in r.stdout
-    # Default settings (sync="step"): DDP's parameter broadcast is the first exchange point, and
-    # the finding is pinned to the first random op the ranks drew differently, with the cause.
+    # Default settings (sync="step"): the first optimizer step settles the parameters'
+    # initialisations (nothing broadcast them), and the finding is pinned to the first random op
+    # the ranks drew differently, with the cause.
     assert r.stderr.count("RNG state diverged across ranks") == 1  # one merged rendering
     first_op = _line("train_buggy.py", "torch.nn.Linear(16, 16)")
     assert f"before aten.uniform_.default at {first_op}" in r.stderr

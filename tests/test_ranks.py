@@ -485,6 +485,45 @@ def rank_stops(rank: int, world: int) -> dict[str, Any]:
 rank_stops.breaks_group = True  # type: ignore[attr-defined]
 
 
+def slow_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 spends a while between steps (saving a checkpoint, evaluating): with the default
+    timeout (the process group's, 60 s in these workers) the others wait for it."""
+    import time
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    console = io.StringIO()
+    with rngcheck.RNGConsistencyMode(on_finding="record", console=console) as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, opt)
+        if rank == 0:
+            time.sleep(4.0)
+        _train_step(model, opt)
+    return {**_summary_plain(mode), "timeout": mode.report.meta.get("rank_timeout")}
+
+
+def entered_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """Only rank 0 enters the mode (under `if rank == 0:`): it says so instead of hanging in the
+    side group's creation; afterwards both ranks start a mode together as usual."""
+    out: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            with _mode(timeout=2.0):
+                pass
+        except RuntimeError as e:
+            out["error"] = str(e)
+    torch.distributed.barrier()
+    with _mode() as mode:  # the next start on every rank is not confused by the failed one
+        torch.rand(3)
+    return {**out, "ok_after": mode.report.ok, "stats": dict(mode.report.meta["rank_exchange"])}
+
+
+def _summary_plain(mode: Any) -> dict[str, Any]:
+    return {"ok": mode.report.ok, "findings": [f.kind.value for f in mode.report.findings]}
+
+
 # ---------------------------------------------------------------------------------------------
 # The tests (parent side)
 
@@ -504,6 +543,8 @@ _TWO = [
     "exit_vs_barrier",
     "pair_streams",
     "ignored_on_one_rank",
+    "slow_rank",
+    "entered_on_one_rank",
     "destroyed_inside",
 ]
 _FOUR = [
@@ -591,8 +632,27 @@ def test_step_sync_exchanges_at_steps_collectives_every_and_exit(two: Any) -> No
     assert step["exchanges"] == 3 * 5 + 1
     # sync="op" also exchanges at each random op (weight init, one dropout per step)
     assert op["exchanges"] > 2 * 5 + 1
-    # Nothing but the group-wide vector on the fast path: 9 int64 per exchange.
-    assert step["fast_calls"] == step["exchanges"] and step["fast_bytes"] == 72 * step["exchanges"]
+    # Nothing but the group-wide vector on the fast path: 11 int64 per exchange.
+    assert step["fast_calls"] == step["exchanges"] and step["fast_bytes"] == 88 * step["exchanges"]
+
+
+def test_a_slow_rank_is_not_a_missing_rank(two: Any) -> None:
+    for rank, r in two["slow_rank"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["ok"], (rank, r["findings"])
+        # The default timeout is the process group's own (60 s in the test workers), not 120 s.
+        assert r["timeout"] == {"seconds": 60.0, "from": "the process group"}
+
+
+def test_a_mode_entered_on_one_rank_says_so(two: Any) -> None:
+    r0, r1 = two["entered_on_one_rank"][0], two["entered_on_one_rank"][1]
+    assert r0["error"].startswith(
+        "rngcheck: the RNGConsistencyMode was entered on rank 0 of 2 but not on rank 1 within 2 s"
+    )
+    assert "enter the mode on every rank" in r0["error"] and "sync='off'" in r0["error"]
+    assert "error" not in r1
+    for r in (r0, r1):  # and the next mode started on both ranks checks as usual
+        assert r["ok_after"] and r["stats"]["exchanges"] == 1
 
 
 def test_rank_dependent_seed_before_building_a_replicated_model(two: Any) -> None:
@@ -641,7 +701,7 @@ def test_step_sync_reports_a_drift_at_the_exchange_after_it(two: Any) -> None:
         # gathers of the slow path ran once.
         stats = r["stats"]
         assert stats["exchanges"] == 2 and stats["mismatches"] == 1, stats
-        assert stats["fast_calls"] == 2 and stats["fast_bytes"] == 2 * 72, stats
+        assert stats["fast_calls"] == 2 and stats["fast_bytes"] == 2 * 88, stats
         assert stats["slow_calls"] == 4, stats
     _rendered_once(results, 0)
 

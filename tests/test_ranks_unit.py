@@ -10,7 +10,7 @@ import torch
 import rngcheck
 from rngcheck.events import Phase, RandomOpEvent
 from rngcheck.generators import GeneratorId
-from rngcheck.rank_findings import Point, build_finding, localise
+from rngcheck.rank_findings import Point, Row, build_finding, localise
 from rngcheck.ranks import resolve_group
 from rngcheck.report import FindingKind
 from rngcheck.stacks import Frame, Stack
@@ -27,8 +27,8 @@ def test_resolve_group_forms() -> None:
         resolve_group(3.5, 0, 4)
 
 
-def _row(op: str, before: int, after: int, stream: int = 7, policy: int = 1) -> tuple:
-    return (hash(op) & 0xFFFF, stream, before, after, policy)
+def _row(op: str, before: int, after: int, stream: int = 7, policy: int = 1) -> Row:
+    return Row(hash(op) & 0xFFFF, stream, before, after, policy, generator=1)
 
 
 def test_localise_extra_op_then_state_then_collision() -> None:

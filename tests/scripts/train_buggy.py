@@ -1,7 +1,8 @@
 """A buggy training script with two classic RNG bugs. Knows nothing of rngcheck.
 
-- The seed depends on the rank (Lightning issue 12986): replicated dropout masks differ across
-  ranks. Found by the cross-rank check under torchrun.
+- The seed depends on the rank (Lightning issue 12986) before a replicated model is built, and
+  nothing broadcasts its parameters (gradients are averaged by hand, not by DDP): the replicas
+  start from different weights. Found by the cross-rank check under torchrun.
 - A user generator drives the noise inside a checkpointed block: torch.utils.checkpoint does not
   restore it, so the recompute draws different numbers than the forward. Found in one process.
 """
@@ -33,13 +34,16 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
     torch.manual_seed(1234 + rank)  # BUG: rank-dependent seed before the replicated model
-    block = Block()
-    model = torch.nn.parallel.DistributedDataParallel(block) if distributed else block
+    model = Block()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(STEPS):
         x = torch.nn.functional.dropout(torch.randn(8, 16), p=0.1).requires_grad_()
         loss = checkpoint(model, x, use_reentrant=False).sum()
         loss.backward()
+        if distributed:  # data parallelism by hand: average the gradients
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         opt.step()
         opt.zero_grad()
     print("training finished", flush=True)

@@ -1,0 +1,288 @@
+"""Data parallelism: which random ops act on each rank's own batch, and which module states a
+wrapper overwrites from one rank.
+
+Under ``DistributedDataParallel``, ``FullyShardedDataParallel`` and ``fully_shard`` the ranks of
+the wrapper's group see different data on purpose, so the random ops of the wrapped module's
+forward and backward (dropout masks, drop-path) need not agree across that group. While a mode is
+active, this tracker wraps the wrappers' ``forward`` (at the class: existing instances are covered)
+and, for the ones that broadcast module states at construction (DDP unless ``init_sync=False``;
+FSDP with ``sync_module_states=True``), their ``__init__``, so the rank checker learns *before* the
+broadcast which parameters it will overwrite. ``fully_shard`` broadcasts nothing: its group is
+learnt from the first forward.
+
+A wrapper is known by its group's global ranks. The scope of a random op is the innermost wrapper
+whose forward is running on this thread, or, during backward, the wrapper whose forward ran last
+(until the next optimizer step): checkpoint recomputes and gradient-time randomness of a
+data-parallel model belong to it too.
+
+Known limitations:
+    Wrappers imported after the mode started are patched at the next ``refresh()`` (the mode
+    refreshes at ``bind_distributed``, optimizer steps and collectives); one constructed before that
+    is still recognised at its first forward, but a broadcast it made is not known. The DDP-based
+    composable ``replicate`` calls DDP's internals directly and is not recognised.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["DataParallelTracker", "Wrapper"]
+
+log = logging.getLogger(__name__)
+
+_DDP_MODULE = "torch.nn.parallel.distributed"
+_FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
+_FSDP2_MODULE = "torch.distributed.fsdp"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wrapper:
+    """One data-parallel wrapper: its kind, its group, and what it broadcast at construction."""
+
+    kind: str  # "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"
+    ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
+    broadcasts: bool = False  # overwrote the module's states from one rank when it was built
+    storages: frozenset[int] = field(default=frozenset(), repr=False)  # what it overwrote
+
+    @property
+    def label(self) -> str:
+        from .report import format_ranks
+
+        return f"{self.kind} over ranks {format_ranks(self.ranks)}"
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return tuple(sorted(int(r) for r in dist.get_process_group_ranks(group)))
+
+
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+
+
+def _storages(module: torch.nn.Module, buffers: bool) -> frozenset[int]:
+    tensors = list(module.parameters())
+    if buffers:
+        tensors.extend(module.buffers())
+    out = set()
+    for t in tensors:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except RuntimeError:  # a tensor without storage (meta, fake): nothing was written
+            continue
+    return frozenset(out)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Wrapper] = []
+
+
+class DataParallelTracker:
+    """The data-parallel wrappers of this process while one mode is active.
+
+    ``on_wrapper(wrapper)`` is called when a wrapper is being constructed (before its own
+    collectives run) and when one is first seen in a forward.
+    """
+
+    def __init__(self, on_wrapper: Callable[[Wrapper], None], on_forward: Callable[[], None]):
+        self._on_wrapper = on_wrapper
+        self._on_forward = on_forward
+        self._local = _Local()
+        self._known: weakref.WeakKeyDictionary[Any, Wrapper] = weakref.WeakKeyDictionary()
+        self._saved: list[tuple[Any, str, Any, bool]] = []  # owner, name, original, had_own
+        self._patched: set[str] = set()
+        self.backward: Wrapper | None = None  # the wrapper whose forward ran last
+        self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
+        self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
+
+    # -- the scope of a random op ----------------------------------------------------------------
+
+    def current(self, in_backward: bool) -> Wrapper | None:
+        stack = self._local.stack
+        if stack:
+            return stack[-1]
+        return self.backward if in_backward else None
+
+    def count(self, wrapper: Wrapper) -> None:
+        self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
+
+    def on_step(self) -> None:
+        self.backward = None
+
+    @property
+    def active(self) -> bool:
+        """Whether this process runs data-parallel training (a wrapper was built or ran)."""
+        return bool(self.wrappers)
+
+    # -- patches ---------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Patch the wrapper classes of modules imported since the last call (cheap when none)."""
+        if _DDP_MODULE not in self._patched and _DDP_MODULE in sys.modules:
+            self._patched.add(_DDP_MODULE)
+            cls = sys.modules[_DDP_MODULE].DistributedDataParallel
+            self._wrap_init(cls, self._ddp_wrapper)
+            self._wrap_forward(cls, lambda m: self._known.get(m) or self._ddp_wrapper(m, None))
+        if _FSDP1_MODULE not in self._patched and _FSDP1_MODULE in sys.modules:
+            self._patched.add(_FSDP1_MODULE)
+            cls = sys.modules[_FSDP1_MODULE].FullyShardedDataParallel
+            self._wrap_init(cls, self._fsdp1_wrapper)
+            self._wrap_forward(cls, lambda m: self._known.get(m) or self._fsdp1_wrapper(m, None))
+        fsdp2 = getattr(sys.modules.get(_FSDP2_MODULE), "FSDPModule", None)
+        if _FSDP2_MODULE not in self._patched and fsdp2 is not None:
+            self._patched.add(_FSDP2_MODULE)
+            self._wrap_forward(fsdp2, self._fsdp2_wrapper)
+
+    def uninstall(self) -> None:
+        saved, self._saved = self._saved, []
+        for owner, name, original, had_own in reversed(saved):
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._patched.clear()
+        self._local.stack.clear()
+        self.backward = None
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        had_own = name in vars(owner)
+        self._saved.append((owner, name, vars(owner).get(name), had_own))
+        setattr(owner, name, replacement)
+
+    def _wrap_init(self, cls: Any, describe: Callable[[Any, inspect.BoundArguments], Wrapper]):
+        original = cls.__init__
+        signature = inspect.signature(original)
+        tracker = self
+
+        @functools.wraps(original)
+        def __init__(module: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = signature.bind(module, *args, **kwargs)
+                bound.apply_defaults()
+                wrapper = describe(module, bound)
+            except Exception:  # noqa: BLE001 - never break the user's construction
+                log.debug("rngcheck could not describe a %s", cls.__name__, exc_info=True)
+                wrapper = None
+            if wrapper is not None:
+                tracker._register(module, wrapper)  # before the wrapper's own collectives
+            original(module, *args, **kwargs)
+
+        self._patch(cls, "__init__", __init__)
+
+    def _wrap_forward(self, cls: Any, describe: Callable[[Any], Wrapper | None]) -> None:
+        # FSDPModule has no forward of its own: the original is the next class's in the MRO.
+        own = vars(cls).get("forward")
+        tracker = self
+
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            wrapper = tracker._known.get(module)
+            if wrapper is None:
+                try:
+                    wrapper = describe(module)
+                except Exception:  # noqa: BLE001 - an unknown layout: check it as replicated
+                    log.debug("rngcheck could not find the group of %r", type(module))
+                    wrapper = None
+                if wrapper is not None:
+                    tracker._register(module, wrapper)
+            if wrapper is None:
+                return _call(own, cls, module, args, kwargs)
+            stack = tracker._local.stack
+            if not stack:
+                tracker._on_forward()
+            stack.append(wrapper)
+            try:
+                return _call(own, cls, module, args, kwargs)
+            finally:
+                stack.pop()
+                tracker.backward = wrapper
+
+        if own is not None:
+            forward = functools.wraps(own)(forward)
+        self._patch(cls, "forward", forward)
+
+    def _register(self, module: Any, wrapper: Wrapper) -> None:
+        self._known[module] = wrapper
+        if wrapper not in self.wrappers:
+            self.wrappers.append(wrapper)
+        self._on_wrapper(wrapper)
+
+    # -- describing each kind of wrapper ----------------------------------------------------------
+
+    @staticmethod
+    def _ddp_wrapper(ddp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
+        if bound is None:  # built before the mode: its group is all that matters now
+            return Wrapper(kind="DistributedDataParallel", ranks=_group_ranks(ddp.process_group))
+        args = bound.arguments
+        mesh = args.get("device_mesh")
+        ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(args.get("process_group"))
+        broadcasts = bool(args.get("init_sync", True))
+        module = args["module"]
+        return Wrapper(
+            kind="DistributedDataParallel",
+            ranks=ranks,
+            broadcasts=broadcasts,
+            storages=_storages(module, args.get("broadcast_buffers") is not False)
+            if broadcasts
+            else frozenset(),
+        )
+
+    @staticmethod
+    def _fsdp1_wrapper(fsdp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
+        if bound is None:
+            return Wrapper(kind="FullyShardedDataParallel", ranks=_group_ranks(fsdp.process_group))
+        args = bound.arguments
+        mesh = args.get("device_mesh")
+        group = args.get("process_group")
+        if isinstance(group, tuple):  # hybrid sharding: (intra-node, inter-node) groups
+            ranks = tuple(sorted({r for g in group for r in _group_ranks(g)}))
+        else:
+            ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(group)
+        broadcasts = bool(args.get("sync_module_states", False))
+        return Wrapper(
+            kind="FullyShardedDataParallel",
+            ranks=ranks,
+            broadcasts=broadcasts,
+            storages=_storages(args["module"], True) if broadcasts else frozenset(),
+        )
+
+    @staticmethod
+    def _fsdp2_wrapper(module: Any) -> Wrapper | None:
+        # fully_shard's state knows the mesh of each parameter group (a list since torch 2.10, one
+        # optional group before); a root without parameters of its own finds it in a child.
+        for sub in module.modules():
+            get_state = getattr(sub, "_get_fsdp_state", None)
+            if get_state is None:
+                continue
+            state = get_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [single] if single is not None else []
+            for group in groups:
+                mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+                if mesh is not None:
+                    return Wrapper(kind="fully_shard", ranks=_mesh_ranks(mesh))
+        return None
+
+
+def _call(own: Any, cls: Any, module: Any, args: tuple, kwargs: dict) -> Any:
+    if own is not None:
+        return own(module, *args, **kwargs)
+    return super(cls, module).forward(*args, **kwargs)
