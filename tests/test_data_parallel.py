@@ -1,0 +1,351 @@
+"""Data parallelism on real gloo groups, with real wrappers (DistributedDataParallel, FSDP,
+fully_shard) and a real Hugging Face model: what must agree with what.
+
+Quiet, because it is correct: the same seed everywhere with per-rank data generators; seed + rank
+before DDP broadcasts the model; dropout masks that differ across data-parallel ranks. Found,
+because it is wrong: replicated parameters initialised differently that nothing broadcasts (a
+hand-written gradient all-reduce, DDP(init_sync=False), FSDP without sync_module_states,
+fully_shard), and a replicated computation outside the data-parallel forward that one rank runs
+alone (rank 0 sampling with generate(do_sample=True)).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+_HERE = __file__
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: run in every rank as fn(rank, world_size); return plain data
+
+
+def _mode(**kwargs: Any) -> Any:
+    import rich.console
+
+    import rngcheck
+
+    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
+    kwargs.setdefault("timeout", 30.0)
+    kwargs.setdefault("on_finding", "record")
+    return rngcheck.RNGConsistencyMode(console=console, **kwargs)
+
+
+def _summary(mode: Any, **extra: Any) -> dict[str, Any]:
+    report = mode.report
+    return {
+        "findings": [
+            {
+                "kind": f.kind.value,
+                "op": f.op,
+                "site": f.site,
+                "message": f.message,
+                "cause": f.cause,
+                "differs": f.differs,
+                "ranks": list(f.ranks),
+                "frames": [fr.short_location for fr in f.stack.user_frames],
+                "lines": [fr.line for fr in f.stack.user_frames],
+            }
+            for f in report.findings
+        ],
+        "notes": [n.message for n in report.notes],
+        "random_ops": report.random_ops,
+        **extra,
+    }
+
+
+def _hf_model(checkpointing: bool = True) -> torch.nn.Module:
+    sys.path.insert(0, str(__import__("pathlib").Path(_HERE).parent))
+    import _hf
+
+    model = _hf.build("gpt2")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _hf_steps(model: torch.nn.Module, steps: int, generator: torch.Generator | None) -> None:
+    import _hf
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(**_hf.batch("gpt2", generator=generator)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def hf_ddp_same_seed_per_rank_data(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    with _mode() as mode:
+        model = DDP(_hf_model())
+        data = torch.Generator().manual_seed(1000 + rank)  # each rank its own synthetic data
+        _hf_steps(model, 3, data)
+    return _summary(mode)
+
+
+def hf_ddp_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _mode() as mode:
+        torch.manual_seed(42 + rank)  # timm's habit: DDP broadcasts the model from rank 0 anyway
+        model = DDP(_hf_model())
+        _hf_steps(model, 3, None)
+        x = torch.randn(4, 8)  # per-rank noise outside the model: a per-rank stream
+        torch.nn.functional.dropout(x, 0.5)
+        weights = [p.detach().clone() for p in model.parameters()]
+    return _summary(mode, digest=float(sum(w.double().sum() for w in weights)))
+
+
+def hf_ddp_generate_on_rank0(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        model = DDP(_hf_model())
+        _hf_steps(model, 1, None)
+        line = None
+        try:
+            if rank == 0:  # a sample for the logs, drawn on rank 0 only
+                model.module.eval()
+                line = sys._getframe().f_lineno + 1
+                model.module.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=3)
+                model.module.train()
+            _hf_steps(model, 1, None)
+        except rngcheck.RNGCheckError:
+            pass
+    return _summary(mode, line=line)
+
+
+def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
+    """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _mode() as mode:
+        torch.manual_seed(rank)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return _summary(mode)
+
+
+def _seed_rank_init() -> torch.nn.Module:
+    torch.manual_seed(7 + torch.distributed.get_rank())  # the bug under test: nothing broadcasts
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def hand_written_allreduce_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    with _mode() as mode:
+        model = _seed_rank_init()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(4, 8)).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+    return _summary(mode)
+
+
+def ddp_without_init_sync_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _mode() as mode:
+        model = DDP(_seed_rank_init(), init_sync=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return _summary(mode)
+
+
+def fsdp_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with _mode() as mode:
+        model = FSDP(_seed_rank_init(), device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+    return _summary(mode)
+
+
+def fully_shard_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with _mode() as mode:
+        model = _seed_rank_init()
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(4, 8)).sum().backward()
+        opt.step()
+    return _summary(mode)
+
+
+def fully_shard_same_seed_dropout(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with _mode() as mode:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            model(torch.randn(4, 8, generator=data)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return _summary(mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests (parent process): one launch of 2 ranks runs every scenario
+
+
+SCENARIOS = [
+    "hf_ddp_same_seed_per_rank_data",
+    "hf_ddp_seed_plus_rank",
+    "ddp_dropout_masks_differ",
+    "hand_written_allreduce_seed_plus_rank",
+    "ddp_without_init_sync_seed_plus_rank",
+    "fsdp_seed_plus_rank",
+    "fully_shard_seed_plus_rank",
+    "fully_shard_same_seed_dropout",
+    "hf_ddp_generate_on_rank0",
+]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    return run_scenarios(
+        _HERE, SCENARIOS, world_size=2, out_dir=tmp_path_factory.mktemp("dp"), timeout=300
+    )
+
+
+def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
+    results = two[name]
+    for r in results.values():
+        assert "error" not in r, r.get("traceback")
+    return results
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf_ddp_same_seed_per_rank_data",
+        "hf_ddp_seed_plus_rank",
+        "ddp_dropout_masks_differ",
+        "fully_shard_same_seed_dropout",
+    ],
+)
+def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
+    for rank, r in _results(two, name).items():
+        assert not r["findings"], (rank, r["findings"])
+        assert r["random_ops"] > 0
+
+
+def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
+    notes = _results(two, "hf_ddp_seed_plus_rank")[0]["notes"]
+    text = "\n".join(notes)
+    # Rule 2: the wrapped model's forward and backward (HF's checkpointed dropout included).
+    assert "in the forward and backward of DistributedDataParallel over ranks 0:2" in text
+    # Rule 4: the per-rank initialisation, overwritten by DDP's broadcast.
+    assert "parameter initialisation(s); DistributedDataParallel over ranks 0:2 broadcast" in text
+    # Rule 3: seed + rank, a per-rank stream of a data-parallel program.
+    assert "default cpu is seeded differently on each rank" in text
+    assert "a per-rank stream" in text
+    # ...and the replicas did end up equal: DDP's broadcast made them so.
+    digests = {r["digest"] for r in _results(two, "hf_ddp_seed_plus_rank").values()}
+    assert len(digests) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "wrapper"),
+    [
+        ("hand_written_allreduce_seed_plus_rank", ""),
+        ("ddp_without_init_sync_seed_plus_rank", "DistributedDataParallel over ranks 0:2"),
+        ("fsdp_seed_plus_rank", "FullyShardedDataParallel over ranks 0:2"),
+        ("fully_shard_seed_plus_rank", "fully_shard over ranks 0:2"),
+    ],
+)
+def test_parameters_initialised_per_rank_and_never_broadcast_are_found(
+    two: Any, name: str, wrapper: str
+) -> None:
+    for rank, r in _results(two, name).items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
+        assert f["op"] == "aten.uniform_.default"  # nn.Linear's weight initialisation
+        assert f["message"].startswith("parameters initialised differently across ranks")
+        assert "nothing broadcast these replicated parameters" in f["cause"]
+        assert "torch.manual_seed(7) at" in f["cause"] and "torch.manual_seed(8) at" in f["cause"]
+        if wrapper:
+            assert f"{wrapper} does not broadcast module states" in f["cause"]
+        assert "torch.nn.Sequential(torch.nn.Linear(8, 8)" in " ".join(f["lines"])
+
+
+def test_one_rank_sampling_with_generate_is_found_at_that_call(two: Any) -> None:
+    results = _results(two, "hf_ddp_generate_on_rank0")
+    line = results[0]["line"]
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["differs"] == "op"
+        assert "rank 0 ran 3 extra random ops, the first, aten.multinomial" in f["cause"]
+        # The finding's stack goes through the user's generate() call.
+        assert f"test_data_parallel.py:{line}" in f["frames"], f["frames"]
+
+
+# ---------------------------------------------------------------------------------------------
+# An unmodified Hugging Face script under RNGCHECK=1: one process, and two ranks under torchrun
+
+
+def _script_env() -> dict[str, str]:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RNGCHECK", "_RNGCHECK"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(RNGCHECK="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return env
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["python", "torchrun"])
+def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(ranks: int) -> None:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = str(Path(_HERE).parent / "scripts" / "train_hf.py")
+    if ranks == 1:
+        args = [sys.executable, script]
+    else:
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        args = [torchrun, "--standalone", f"--nproc-per-node={ranks}", script]
+    r = subprocess.run(
+        args, env=_script_env(), capture_output=True, text=True, timeout=240, cwd=os.getcwd()
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("training finished") == ranks
+    where = f" on rank 0 of {ranks}" if ranks > 1 else ""
+    assert f"random op(s) checked{where}, no findings" in r.stderr, r.stderr[-2000:]
