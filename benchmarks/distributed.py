@@ -51,8 +51,8 @@ _RNGCHECK_MODES = ("rngcheck", "rngcheck-op")
 
 
 def _stats(mode: Any) -> dict[str, int]:
-    """The counters of the mode's rank exchange so far (``rngcheck.ranks.exchange_stats``)."""
-    from rngcheck.ranks import exchange_stats
+    """The counters of the mode's rank exchange so far (``rngcheck.exchange_stats``)."""
+    from rngcheck import exchange_stats
 
     return exchange_stats(mode)
 

@@ -103,7 +103,7 @@ class _Run:
 
 
 def _load_runs(files: Sequence[str]) -> list[_Run]:
-    from .report import Report
+    from .output.report import Report
 
     loaded = []
     for path in files:
@@ -176,8 +176,8 @@ def _context_table(console: Console, merged: _MergedFinding, several: bool) -> N
 
 
 def _show(paths: Sequence[str], console: Console, context: bool) -> int:
-    from .render import print_finding
-    from .report import format_ranks
+    from .core.findings import format_ranks
+    from .output.render import print_finding
 
     runs = _load_runs(_report_files(paths))
     code = EXIT_OK
@@ -265,7 +265,7 @@ def _diff_dirs(a_dir: str, b_dir: str, console: Console, structure_only: bool) -
 def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> int:
     if os.path.isdir(a_path) and os.path.isdir(b_path):
         return _diff_dirs(a_path, b_path, console, structure_only)
-    from .trace import TraceFormatError, first_divergence, read_trace
+    from .output.trace import TraceFormatError, first_divergence, read_trace
 
     try:
         a, b = read_trace(a_path), read_trace(b_path)

@@ -1,7 +1,10 @@
-"""RNGConsistencyMode: the public checker. It owns the configuration, the events and the report,
-and pushes a private dispatch mode that only intercepts.
+"""RNGConsistencyMode: the public checker and the one place that composes the rest.
 
-Data flows one way: op -> event -> (recompute check | rank exchange) -> finding -> report -> render.
+It owns the configuration, the events and the report, pushes the private dispatch mode
+(``core/dispatch.py``) that only intercepts, and hands each check a small handle
+(``core/handle.py``), never itself. Data flows one way: op -> event (``core``) -> checks
+(``recompute``, ``ranks``) -> finding -> sink and report (``output``) -> render. This module is
+also the one place that knows the active mode.
 """
 
 from __future__ import annotations
@@ -12,47 +15,41 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import recompute as _recompute
-from . import torch_checkpoint
-from . import trace as _trace
-from .config import Config
-from .digest import tensor_digest
-from .events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
-from .generators import GeneratorRegistry
-from .ops import (
+from .core.config import Config
+from .core.digest import tensor_digest
+from .core.dispatch import Interceptor
+from .core.events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
+from .core.findings import Finding, Note, RNGCheckCoverageWarning
+from .core.generators import GeneratorRegistry
+from .core.handle import CheckerHandle
+from .core.ops import (
     OpKind,
-    classify,
     op_device,
     op_generator,
     op_name,
     summarize_args,
     writes_first_argument,
 )
-from .policy import current_expectation
-from .recompute import RecomputeTracker
-from .report import (
-    Finding,
-    Note,
-    Report,
-    RNGCheckCoverageWarning,
-    RNGCheckWarning,
-    error_for,
-)
-from .seeding import SeedCallLog
-from .stacks import Stack
+from .core.policy import current_expectation
+from .core.seeding import SeedCallLog
+from .core.stacks import Stack
+from .output.report import Report
+from .output.sink import FindingSink
+from .output.trace import TraceFeed, write_trace
+from .recompute.torch_hooks import checkpoint_frame_on_stack
+from .recompute.tracker import RecomputeTracker
 
-__all__ = ["RNGCheckCoverageWarning", "RNGCheckWarning", "RNGConsistencyMode", "active_mode"]
+__all__ = ["RNGConsistencyMode", "active_mode", "exchange_stats", "run_checked"]
 
 log = logging.getLogger(__name__)
 
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
-_MAX_FINDINGS = 100  # past this, findings are counted, not kept (a broken loop reports once)
 _MAX_NOTE_SITES = 64
 _DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared")  # rebuilt per read
 
@@ -60,30 +57,6 @@ _DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared")  # 
 def active_mode() -> RNGConsistencyMode | None:
     """The RNGConsistencyMode active in this process, if any."""
     return _ACTIVE
-
-
-class _KindTable(dict):
-    """op -> OpKind, classifying an op the first time it is looked up."""
-
-    def __missing__(self, func: Any) -> OpKind:
-        kind = self[func] = classify(func)
-        return kind
-
-
-class _Interceptor(TorchDispatchMode):
-    """The private dispatch mode. Non-random ops cost one dict lookup over a no-op mode."""
-
-    def __init__(self, checker: RNGConsistencyMode) -> None:
-        super().__init__()
-        self._kinds = _KindTable()
-        self._checker = checker
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        if not self._kinds[func]:
-            return func(*args, **(kwargs or {}))
-        return self._checker._on_special(self._kinds[func], func, args, kwargs or {})
 
 
 class RNGConsistencyMode:
@@ -100,13 +73,13 @@ class RNGConsistencyMode:
             or mesh dimension names. None: the whole world. Only matters with several ranks.
         expect: the default expectation, ``"same"``, ``"differ"`` or ``"ignore"``.
         sync: when ranks exchange digests: ``"op"`` (at every random op, exact and blocking),
-            ``"step"`` (at optimizer steps, every ``every`` random ops, ``check()`` and exit) or
-            ``"off"`` (no cross-rank check).
+            ``"step"`` (at optimizer steps, every ``every_ops`` random ops, ``check()`` and exit)
+            or ``"off"`` (no cross-rank check).
         on_finding: ``"raise"`` (render, then raise an RNGCheckError at the point of detection),
             ``"warn"`` (render and warn once per call site) or ``"record"`` (keep it in the report).
         check_recompute: compare each activation-checkpoint recompute with its forward.
         window: how many recent random-op events to keep in memory.
-        every: with ``sync="step"``, also exchange after this many random ops.
+        every_ops: with ``sync="step"``, also exchange after this many random ops.
         every_steps: with ``sync="step"``, exchange at every Nth optimizer step only, so a long
             job can keep the checker on cheaply (random ops are still recorded at every step,
             and the first divergent op is still found exactly).
@@ -116,6 +89,7 @@ class RNGConsistencyMode:
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
         report_path: a path to write this rank's JSON report to at exit.
         console: a ``rich.console.Console`` to render findings on (default: stderr).
+        every: the former name of ``every_ops`` (deprecated).
 
     Known limitations:
         Random ops on threads that did not enter the mode are not intercepted (their effect on a
@@ -134,13 +108,21 @@ class RNGConsistencyMode:
         on_finding: str = "raise",
         check_recompute: bool = True,
         window: int = 4096,
-        every: int = 1024,
+        every_ops: int = 1024,
         every_steps: int = 1,
         timeout: float | None = None,
         trace: str | None = None,
         report_path: str | None = None,
         console: Any = None,
+        every: int | None = None,
     ) -> None:
+        if every is not None:
+            warnings.warn(
+                "RNGConsistencyMode(every=...) is now every_ops=...; every= will be removed",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            every_ops = every
         self.config = Config(
             group=group,
             expect=expect,
@@ -148,7 +130,7 @@ class RNGConsistencyMode:
             on_finding=on_finding,
             check_recompute=check_recompute,
             window=window,
-            every=every,
+            every_ops=every_ops,
             every_steps=every_steps,
             timeout=timeout,
             trace=trace,
@@ -156,21 +138,20 @@ class RNGConsistencyMode:
         )
         self.console = console
         self._report = Report()
+        self._sink = FindingSink(self._report, on_finding, console)
         self._window = EventWindow(size=window)
         self._generators = GeneratorRegistry()
         self._seeds = SeedCallLog()
-        self._interceptor: _Interceptor | None = None
+        self._interceptor: Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._ranks: Any = None
-        self._trace: _trace.TraceFeed | None = None
-        self._xla: Any = None  # the torch_xla patches, when torch_xla was imported (see _xla.py)
+        self._trace: TraceFeed | None = None
+        self._xla: Any = None  # torch_xla's checkpoint patch, once torch_xla is imported
+        self._xla_loaded = False
         self._entered = False
         self._pid = os.getpid()
-        self._warned: set[tuple[str, str]] = set()
-        self._dropped_findings = 0
         self._backward_sites: dict[str, list[Any]] = {}
         self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
-        self._lock = threading.RLock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -192,18 +173,17 @@ class RNGConsistencyMode:
             self._pid = os.getpid()
             _ACTIVE = self
         try:
-            self._load_xla()
             self._seeds.install()
             if self.config.check_recompute:
-                self.recompute_tracker = RecomputeTracker(self._emit)
+                self.recompute_tracker = RecomputeTracker(self._sink.emit, self._record_cached)
                 self.recompute_tracker.install()
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
-            _recompute.set_active_checker(self)
+            self._load_xla()
             self._ranks = self._start_ranks()
             if self.config.trace:
-                self._trace = _trace.TraceFeed(self.config.trace, self)
-            self._interceptor = _Interceptor(self)
+                self._trace = TraceFeed(self.config.trace, self._trace_meta)
+            self._interceptor = Interceptor(self._on_special)
             self._interceptor.__enter__()
         except BaseException:
             self._teardown()
@@ -236,7 +216,6 @@ class RNGConsistencyMode:
                 self._xla.uninstall()
                 self._xla = None
             self._seeds.uninstall()
-            _recompute.set_active_checker(None)
             self._finalize_report()
             self._write_outputs()
         finally:
@@ -249,19 +228,38 @@ class RNGConsistencyMode:
         """Load the torch_xla support once torch_xla is imported: at ``__enter__``, or at the first
         XLA random op when the mode started first (``RNGCHECK=1`` starts it before any import).
         Never imports torch_xla itself: that starts an XLA runtime."""
-        if self._xla is None and "torch_xla" in sys.modules:
-            from . import _xla  # registers the XLA seed's adapter and seeding APIs once
+        if not self._xla_loaded and "torch_xla" in sys.modules:
+            from .core import xla  # noqa: F401 - registers the XLA seed's adapter and seeding APIs
 
-            self._xla = _xla.install()
+            self._xla_loaded = True
             self._seeds.install()  # watch the XLA seeding APIs too (installs only the new ones)
-        return self._xla is not None
+            if self.recompute_tracker is not None:
+                from .recompute.xla import XlaCheckpointPatch
+
+                self._xla = XlaCheckpointPatch(self.recompute_tracker).install()
+        return self._xla_loaded
+
+    def _handle(self) -> CheckerHandle:
+        def identify(rank: int, world: int) -> None:
+            self._report.rank, self._report.world_size = rank, world
+
+        return CheckerHandle(
+            config=self.config,
+            emit=self._sink.emit,
+            seeding_calls=self._seeds.since,
+            meta=self._report.meta,
+            identify=identify,
+        )
 
     def _start_ranks(self) -> Any:
         if self.config.sync == "off":
             return None
-        from . import ranks
+        from .ranks.startup import start
 
-        return ranks.start(self)
+        ranks = start(self._handle())
+        if ranks is not None:
+            self._sink.renders = ranks.renders  # one merged rendering across ranks
+        return ranks
 
     def bind_distributed(self) -> None:
         """Start the cross-rank checks now that torch.distributed is initialised.
@@ -283,6 +281,11 @@ class RNGConsistencyMode:
             self._ranks.check()
         return self.report
 
+    def renders(self, finding: Finding) -> bool:
+        """Whether this process draws ``finding`` (with several ranks, the lowest rank involved
+        draws it, once)."""
+        return self._sink.renders(finding)
+
     # -- results -------------------------------------------------------------------------------
 
     @property
@@ -296,6 +299,7 @@ class RNGConsistencyMode:
         return list(self._window.events)
 
     def _finalize_report(self) -> None:
+        """Bring the report's counters and derived notes up to date (reading never adds twice)."""
         r = self._report
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
@@ -317,20 +321,24 @@ class RNGConsistencyMode:
             )
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
-        if self._dropped_findings:
+        if self._sink.dropped:
             notes.append(
                 Note(
                     kind="findings_dropped",
-                    message=f"{self._dropped_findings} further finding(s) were not kept.",
-                    count=self._dropped_findings,
+                    message=f"{self._sink.dropped} further finding(s) were not kept.",
+                    count=self._sink.dropped,
                 )
             )
         r.notes = notes
 
+    def _trace_meta(self) -> dict[str, Any]:
+        meta = dict(self._report.meta)
+        meta.setdefault("rank", self._report.rank)
+        meta.setdefault("world_size", self._report.world_size)
+        return meta
+
     def _write_outputs(self) -> None:
         if self.config.report_path:
-            from dataclasses import replace
-
             # A saved report is read after the run: keep the events around each finding with it.
             around = self._window.around
             self._report.findings = [
@@ -340,22 +348,22 @@ class RNGConsistencyMode:
             try:
                 self._report.save(self.config.report_path)
             except OSError as e:
-                warnings.warn(
-                    f"rngcheck could not write its report to {self.config.report_path}: {e}",
-                    RNGCheckWarning,
-                    stacklevel=3,
-                )
+                self._output_failed("report", self.config.report_path, e)
         if self.config.trace:
             try:
                 # The whole stream, streamed to disk as it ran, not just the window.
                 stream = self._trace.stream() if self._trace is not None else []
-                _trace.write_trace(self.config.trace, stream, self._report)
+                write_trace(self.config.trace, stream, self._report)
             except OSError as e:
-                warnings.warn(
-                    f"rngcheck could not write its trace to {self.config.trace}: {e}",
-                    RNGCheckWarning,
-                    stacklevel=3,
-                )
+                self._output_failed("trace", self.config.trace, e)
+
+    @staticmethod
+    def _output_failed(what: str, path: str, error: OSError) -> None:
+        from .core.findings import RNGCheckWarning
+
+        warnings.warn(
+            f"rngcheck could not write its {what} to {path}: {error}", RNGCheckWarning, stacklevel=4
+        )
 
     # -- the random-op path --------------------------------------------------------------------
 
@@ -397,6 +405,9 @@ class RNGConsistencyMode:
         )
 
     def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        tracker = self.recompute_tracker
+        if tracker is not None:
+            tracker.recorded += 1  # seen by this mode (a SAC cache's observer compares it)
         device = op_device(args, kwargs)
         if device.type == "meta":
             return func(*args, **kwargs)
@@ -422,22 +433,9 @@ class RNGConsistencyMode:
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):
             tracked.initial_seed = tracked.handle.initial_seed()
-        ranks = self._ranks
-        tracker = self.recompute_tracker
         in_region = tracker is not None and tracker.active()
-        if (
-            tracker is not None
-            and not in_region
-            and not self._unseen_checkpoint
-            and torch_checkpoint.checkpoint_frame_on_stack()
-        ):
-            self._unseen_checkpoint = True
-            self._coverage_gap(
-                f"a torch.utils.checkpoint region ran random ops ({op_name(func)}) that rngcheck "
-                f"did not see begin, on torch {torch.__version__}: either the region started "
-                "before the mode was entered, or this torch runs checkpoint through code "
-                "rngcheck does not hook. Recomputes of such regions are not compared"
-            )
+        if tracker is not None and not in_region and not self._unseen_checkpoint:
+            self._check_coverage(func)
         event = self._event(
             func,
             args,
@@ -450,6 +448,7 @@ class RNGConsistencyMode:
             out_of_band=oob,
             seed=tracked.initial_seed,
         )
+        ranks = self._ranks
         if ranks is None:
             self._record(event)
         else:
@@ -459,7 +458,18 @@ class RNGConsistencyMode:
             self._record(event, ranks.mesh_of(args, kwargs), written)
         return out
 
-    def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def _check_coverage(self, func: Any) -> None:
+        """A random op outside every region rngcheck knows: is a torch checkpoint running it?"""
+        if checkpoint_frame_on_stack():
+            self._unseen_checkpoint = True
+            self._coverage_gap(
+                f"a torch.utils.checkpoint region ran random ops ({op_name(func)}) that rngcheck "
+                f"did not see begin, on torch {torch.__version__}: either the region started "
+                "before the mode was entered, or this torch runs checkpoint through code "
+                "rngcheck does not hook. Recomputes of such regions are not compared"
+            )
+
+    def _record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A random op that a selective-checkpoint cache answered without running it."""
         tracked = self._tracked(args, kwargs, op_device(args, kwargs))
         if tracked is not None:
@@ -522,45 +532,6 @@ class RNGConsistencyMode:
         elif len(self._backward_sites) < _MAX_NOTE_SITES:
             self._backward_sites[site] = [1, event.stack, event.op]
 
-    # -- findings ------------------------------------------------------------------------------
-
-    def _emit(self, finding: Finding) -> None:
-        """Record a finding; render it; warn or raise as configured."""
-        with self._lock:
-            if len(self._report.findings) >= _MAX_FINDINGS:
-                self._dropped_findings += 1
-                return
-            self._report.findings.append(finding)
-        policy = self.config.on_finding
-        if policy == "record":
-            return
-        if self._should_render(finding):
-            from .render import print_finding
-
-            print_finding(finding, console=self.console)
-        if policy == "warn":
-            self._warn(finding)
-            return
-        raise error_for(finding)
-
-    def _should_render(self, finding: Finding) -> bool:
-        """One merged rendering per finding: with several ranks, the lowest involved rank draws."""
-        if self._ranks is None:
-            return True
-        return bool(self._ranks.renders(finding))
-
-    def _warn(self, finding: Finding) -> None:
-        site = finding.stack.call_site
-        key = (finding.kind.value, site.location if site else "")
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        message = f"rngcheck: {finding.title}: {finding.message}"
-        if site is not None:
-            warnings.warn_explicit(message, RNGCheckWarning, site.filename, site.lineno)
-        else:
-            warnings.warn(message, RNGCheckWarning, stacklevel=2)
-
 
 def _first_use_site() -> str:
     site = Stack.capture().call_site
@@ -575,3 +546,11 @@ def run_checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     with RNGConsistencyMode(on_finding="record") as mode:
         fn(*args, **kwargs)
     return mode.report
+
+
+def exchange_stats(mode: RNGConsistencyMode | None = None) -> dict[str, int]:
+    """The cross-rank exchange counters of ``mode`` (default: the active mode), as plain data."""
+    mode = mode if mode is not None else active_mode()
+    if mode is None:
+        return {}
+    return dict(mode.report.meta.get("rank_exchange", {}))

@@ -64,7 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_ENABLED] = bool(config.getoption("rngcheck"))
     if config.stash[_ENABLED]:
-        from .config import Config
+        from .core.config import Config
 
         try:  # bad option values fail the run at once, naming the valid ones
             Config(
@@ -125,7 +125,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def _failure_text(item: pytest.Item, report: Any) -> str:
-    from .render import format_finding
+    from .output.render import format_finding
 
     parts = [format_finding(f) for f in report.findings]
     parts.append(

@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 import rngcheck
 from rngcheck.cli import main
-from rngcheck.report import Report
-from rngcheck.trace import read_trace
+from rngcheck.output.report import Report
+from rngcheck.output.trace import read_trace
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TITLE = "checkpoint recompute drew different random numbers"

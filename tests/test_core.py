@@ -13,8 +13,8 @@ import torch
 from _recompute_util import marked_line
 
 import rngcheck
-from rngcheck.generators import GeneratorRegistry, state_digest
-from rngcheck.ops import OpKind, classify, register_random_op, summarize_args
+from rngcheck.core.generators import GeneratorRegistry, state_digest
+from rngcheck.core.ops import OpKind, classify, register_random_op, summarize_args
 
 THIS = os.path.basename(__file__)
 
@@ -80,6 +80,21 @@ def test_register_random_op_for_a_custom_op_and_refuses_duplicates():
     with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
         op(torch.zeros(3))
     assert [e.op for e in mode.events] == ["rngcheck_test.noise.default"]
+
+
+def test_an_op_registered_while_a_mode_runs_is_checked_from_then_on():
+    """The mode had already classified the op as plain compute: registering it must reach the
+    one table the running mode reads (there once were two, and the op stayed unchecked)."""
+    lib = torch.library.Library("rngcheck_late", "FRAGMENT")  # noqa: TOR901 - test-only op
+    lib.define("jitter(Tensor x) -> Tensor")
+    lib.impl("jitter", lambda x: x + torch.rand_like(x), "CompositeExplicitAutograd")
+    op = torch.ops.rngcheck_late.jitter.default
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        op(torch.zeros(3))  # seen, as not random
+        assert mode.events == []
+        register_random_op(op)
+        op(torch.zeros(3))
+    assert [e.op for e in mode.events] == ["rngcheck_late.jitter.default"]
 
 
 def test_argument_summary_names_scalars_and_tensor_shapes():
@@ -277,7 +292,8 @@ def test_seeding_functions_are_restored_on_exit_also_after_an_exception():
         ({"expect": "equal"}, "expect must be one of 'same', 'differ', 'ignore'; got 'equal'"),
         ({"check_recompute": "yes"}, "check_recompute must be True or False; got 'yes'"),
         ({"window": 0}, "window must be a positive integer; got 0"),
-        ({"every": 2.5}, "every must be a positive integer; got 2.5"),
+        ({"every_ops": 2.5}, "every_ops must be a positive integer; got 2.5"),
+        ({"every_steps": 0}, "every_steps must be a positive integer; got 0"),
         ({"timeout": -1}, "timeout must be a positive number of seconds"),
         ({"timeout": True}, "timeout must be a positive number of seconds"),
         ({"timeout": float("nan")}, "timeout must be a positive number of seconds"),
@@ -287,6 +303,12 @@ def test_bad_arguments_name_the_valid_choices(kwargs, message):
     with pytest.raises(ValueError) as info:
         rngcheck.RNGConsistencyMode(**kwargs)
     assert message in str(info.value)
+
+
+def test_the_former_every_argument_still_works_and_says_its_new_name():
+    with pytest.warns(DeprecationWarning, match=r"every_ops="):
+        mode = rngcheck.RNGConsistencyMode(every=7)
+    assert mode.config.every_ops == 7
 
 
 def test_expect_validates_its_policy():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rngcheck
-from rngcheck.digest import SAMPLE, LazyDigest, resolve_digest, tensor_digest
+from rngcheck.core.digest import SAMPLE, LazyDigest, resolve_digest, tensor_digest
 
 # Building the rarer layouts warns (beta sparse CSR, prototype nested, deprecated quantization).
 pytestmark = pytest.mark.filterwarnings(

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
-from rngcheck.report import Report
-from rngcheck.trace import first_divergence, read_trace
+from rngcheck.output.report import Report
+from rngcheck.output.trace import first_divergence, read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -127,7 +127,7 @@ def test_settings_map_to_the_mode_and_per_rank_files(tmp_path: Path) -> None:
             "WORLD_SIZE": "4",
         }
     )
-    assert s.enabled and s.every_steps == 10 and (s.rank, s.world_size) == (3, 4)
+    assert s.enabled and s.mode_kwargs["every_steps"] == 10 and (s.rank, s.world_size) == (3, 4)
     kw = s.mode_kwargs
     assert (kw["on_finding"], kw["sync"], kw["expect"]) == ("record", "op", "differ")
     assert kw["timeout"] == 30.0
@@ -362,7 +362,7 @@ def test_a_divergence_after_the_last_step_still_fails_the_job(tmp_path: Path, sk
     assert r.stderr.count("RNG state diverged across ranks") == 1
     assert "rank 1 ran an extra random op, aten.randint.low on default cpu at " in r.stderr
     assert _line("eval_buggy.py", "torch.randint(0, 10, (1,))") in r.stderr
-    assert "rngcheck.report.RankDivergenceError" not in r.stderr  # no traceback repeating it
+    assert "rngcheck.core.findings.RankDivergenceError" not in r.stderr  # no traceback repeating it
     reports = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
     assert all(rep.findings for rep in reports)
     ended = "destroy_process_group()" if not skip_destroy else "exit"

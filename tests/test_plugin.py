@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rngcheck.cli import main as cli_main
-from rngcheck.report import Report
+from rngcheck.output.report import Report
 
 SAMPLE = Path(__file__).resolve().parent / "scripts" / "sample_tests.py"
 TIMEOUT = 120

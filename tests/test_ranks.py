@@ -307,7 +307,7 @@ destroyed_inside.breaks_group = True  # type: ignore[attr-defined]  # (no group 
 
 def step_every(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    with _mode(every=4) as mode:
+    with _mode(every_ops=4) as mode:
         for _ in range(10):
             torch.rand(3)
     return _summary(mode)
@@ -626,7 +626,7 @@ def test_step_sync_exchanges_at_steps_collectives_every_and_exit(two: Any) -> No
     op = two["clean_training_op_sync"][0]["stats"]
     step = two["clean_training"][0]["stats"]
     every = two["step_every"][0]["stats"]
-    # 10 random ops with every=4: exchanges after op 4 and op 8, then at exit.
+    # 10 random ops with every_ops=4: exchanges after op 4 and op 8, then at exit.
     assert every["exchanges"] == 3
     # sync="step": 3 steps x (4 all_reduces + 1 optimizer step) + exit
     assert step["exchanges"] == 3 * 5 + 1

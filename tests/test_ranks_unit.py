@@ -8,12 +8,14 @@ import pytest
 import torch
 
 import rngcheck
-from rngcheck.events import Phase, RandomOpEvent
-from rngcheck.generators import GeneratorId
-from rngcheck.rank_findings import Point, Row, build_finding, localise
-from rngcheck.ranks import resolve_group
-from rngcheck.report import FindingKind
-from rngcheck.stacks import Frame, Stack
+from rngcheck.core.events import Phase, RandomOpEvent
+from rngcheck.core.findings import FindingKind
+from rngcheck.core.generators import GeneratorId
+from rngcheck.core.stacks import Frame, Stack
+from rngcheck.ranks.findings import Detail, build_finding
+from rngcheck.ranks.groups import resolve_group
+from rngcheck.ranks.localise import localise
+from rngcheck.ranks.protocol import Point, Row
 
 
 def test_resolve_group_forms() -> None:
@@ -64,17 +66,21 @@ def _event(seq: int, op: str, site: tuple[str, int], *, torch_frame: str = "") -
     ).to_dict()
 
 
+def _d(event: dict | None, point: str) -> Detail:
+    return Detail.from_dict({"event": event, "point": point})
+
+
 def test_flow_finding_names_the_extra_op_and_the_dataloader() -> None:
     loader = torch.utils.data.__file__.replace("__init__.py", "dataloader.py")
     dropout, draw = _row("bernoulli", 1, 2), _row("random_", 1, 2)
     windows = {0: [draw, dropout], 1: [dropout], 2: [dropout]}
     details = {
-        0: {
-            "event": _event(3, "aten.random_.default", ("train.py", 40), torch_frame=loader),
-            "point": "collective c10d.allreduce_.default at train.py:50",
-        },
-        1: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
-        2: {"event": _event(3, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
+        0: _d(
+            _event(3, "aten.random_.default", ("train.py", 40), torch_frame=loader),
+            "collective c10d.allreduce_.default at train.py:50",
+        ),
+        1: _d(_event(3, "aten.bernoulli_.float", ("model.py", 9)), "x"),
+        2: _d(_event(3, "aten.bernoulli_.float", ("model.py", 9)), "x"),
     }
     spot = localise(windows, dict.fromkeys(windows, Point.COLLECTIVE))
     f = build_finding(spot, windows, details, (0, 1, 2))
@@ -99,9 +105,9 @@ def test_flow_finding_when_one_rank_of_three_skipped_an_op() -> None:
     dropout, rand = _row("bernoulli", 1, 2), _row("rand", 2, 3)
     windows = {0: [rand, dropout], 1: [dropout], 2: [rand, dropout]}
     details = {
-        0: {"event": _event(5, "aten.rand.default", ("train.py", 30)), "point": "x"},
-        1: {"event": _event(5, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
-        2: {"event": _event(5, "aten.rand.default", ("train.py", 30)), "point": "x"},
+        0: _d(_event(5, "aten.rand.default", ("train.py", 30)), "x"),
+        1: _d(_event(5, "aten.bernoulli_.float", ("model.py", 9)), "x"),
+        2: _d(_event(5, "aten.rand.default", ("train.py", 30)), "x"),
     }
     f = build_finding(
         localise(windows, dict.fromkeys(windows, Point.EXIT)), windows, details, (0, 1, 2)
@@ -118,8 +124,8 @@ def test_rank_finding_renders_as_a_panel_with_a_side_that_ran_nothing() -> None:
     dropout = _row("bernoulli", 1, 2)
     windows = {0: [dropout], 1: []}
     details = {
-        0: {"event": _event(0, "aten.bernoulli_.float", ("model.py", 9)), "point": "x"},
-        1: {"event": None, "point": "collective c10d.barrier.default at train.py:70"},
+        0: _d(_event(0, "aten.bernoulli_.float", ("model.py", 9)), "x"),
+        1: _d(None, "collective c10d.barrier.default at train.py:70"),
     }
     f = build_finding(
         localise(windows, dict.fromkeys(windows, Point.COLLECTIVE)), windows, details, (0, 1)

@@ -466,9 +466,9 @@ def test_generator_chosen_at_run_time(reentrant):
 def test_device_generator_only_inside_the_function_cause_without_a_device():
     """The CUDA case's cause text, checked here on the tracker with two recorded events (the
     real CUDA run is the test above, marked cuda)."""
-    from rngcheck.generators import GeneratorId
+    from rngcheck.core.generators import GeneratorId
+    from rngcheck.core.stacks import Stack
     from rngcheck.recompute import RecomputeTracker
-    from rngcheck.stacks import Stack
 
     cuda = GeneratorId(kind="default", device="cuda:0")
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import rngcheck
-from rngcheck import torch_checkpoint
+from rngcheck.recompute import torch_hooks
 
 # torch < 2.10's non-reentrant checkpoint() does not throw a forward's exception into its
 # generator (pytorch PR 184018), so torch's own saved-tensor hooks, and the region with them,
@@ -31,8 +31,8 @@ needs_forward_exception_handling = pytest.mark.skipif(
 )
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-COMPOSABLE = torch_checkpoint.COMPOSABLE
-ENTRY = torch_checkpoint.HOOKS.nonreentrant  # the name torch calls per region, on this torch
+COMPOSABLE = torch_hooks.COMPOSABLE
+ENTRY = torch_hooks.HOOKS.nonreentrant  # the name torch calls per region, on this torch
 ORIGINAL_GENERATOR = getattr(tuc, ENTRY)
 ORIGINAL_FUNCTION = tuc.CheckpointFunction
 

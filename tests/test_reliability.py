@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 import rngcheck
-from rngcheck import torch_checkpoint
+from rngcheck.recompute import torch_hooks
 
 # -- zero perturbation over random programs --------------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_random_programs_are_bitwise_identical_with_and_without_the_mode(steps, 
 
 def _patched_names() -> tuple:
     return (
-        getattr(tuc, torch_checkpoint.HOOKS.nonreentrant),
+        getattr(tuc, torch_hooks.HOOKS.nonreentrant),
         tuc.CheckpointFunction,
         torch.manual_seed,
         torch.random.manual_seed,

@@ -14,7 +14,7 @@ from rich.console import Console
 from torch.utils.checkpoint import checkpoint
 
 import rngcheck
-from rngcheck.report import format_ranks
+from rngcheck.core.findings import format_ranks
 
 THIS = os.path.basename(__file__)
 

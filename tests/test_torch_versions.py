@@ -15,24 +15,22 @@ from _recompute_util import assert_recompute_finding, run
 from torch import nn
 
 import rngcheck
-from rngcheck import torch_checkpoint
+from rngcheck.recompute import torch_hooks
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 
 
 def test_the_version_table_names_the_entry_points_of_each_torch():
-    assert (
-        torch_checkpoint.hooks_for((2, 9)).nonreentrant == "_checkpoint_without_reentrant_generator"
-    )
-    assert torch_checkpoint.hooks_for((2, 13)).nonreentrant == (
+    assert torch_hooks.hooks_for((2, 9)).nonreentrant == "_checkpoint_without_reentrant_generator"
+    assert torch_hooks.hooks_for((2, 13)).nonreentrant == (
         "_checkpoint_without_reentrant_generator"
     )
-    assert torch_checkpoint.hooks_for((2, 14)).nonreentrant == (
+    assert torch_hooks.hooks_for((2, 14)).nonreentrant == (
         "_checkpoint_without_reentrant_generator_impl"
     )
-    assert torch_checkpoint.hooks_for((2, 15)) == torch_checkpoint.hooks_for((2, 14))
+    assert torch_hooks.hooks_for((2, 15)) == torch_hooks.hooks_for((2, 14))
     # The running torch has every name its table entry promises.
-    assert torch_checkpoint.missing_names() == []
+    assert torch_hooks.missing_names() == []
 
 
 def _dropout_region(reentrant: bool) -> None:
@@ -53,7 +51,7 @@ def test_every_region_of_the_running_torch_is_seen(reentrant):
 
 
 @pytest.mark.skipif(
-    torch_checkpoint.TORCH_VERSION < (2, 14), reason="checkpoint() as a decorator is torch 2.14+"
+    torch_hooks.TORCH_VERSION < (2, 14), reason="checkpoint() as a decorator is torch 2.14+"
 )
 def test_the_decorator_form_of_torch_2_14_is_checked():
     gen = torch.Generator().manual_seed(3)
@@ -74,8 +72,8 @@ def test_the_decorator_form_of_torch_2_14_is_checked():
 def _an_unknown_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a torch whose checkpoint internals moved looks like to rngcheck: the entry point its
     table names does not exist (the real torch runs unchanged underneath)."""
-    moved = dataclasses.replace(torch_checkpoint.HOOKS, nonreentrant="_a_name_torch_no_longer_has")
-    monkeypatch.setattr(torch_checkpoint, "HOOKS", moved)
+    moved = dataclasses.replace(torch_hooks.HOOKS, nonreentrant="_a_name_torch_no_longer_has")
+    monkeypatch.setattr(torch_hooks, "HOOKS", moved)
 
 
 def test_an_internals_change_is_a_loud_warning_and_a_report_note(monkeypatch):
@@ -98,7 +96,7 @@ def test_an_internals_change_is_a_loud_warning_and_a_report_note(monkeypatch):
 def test_the_unseen_region_warning_fires_when_the_hook_is_routed_around(monkeypatch):
     """Even with every name present, a region torch runs without calling the hooked name (here:
     a copy of the entry point taken before the mode started) is noticed at its random ops."""
-    entry = getattr(tuc, torch_checkpoint.HOOKS.nonreentrant)
+    entry = getattr(tuc, torch_hooks.HOOKS.nonreentrant)
     lin = nn.Linear(8, 8)
     gen = torch.Generator().manual_seed(1)
 
@@ -108,7 +106,7 @@ def test_the_unseen_region_warning_fires_when_the_hook_is_routed_around(monkeypa
     def routed_around(fn, x):
         """torch.utils.checkpoint's own non-reentrant path, driving the generator rngcheck did
         not wrap (the shape of the 2.14 restructuring that silenced rngcheck 0.1)."""
-        call = torch_checkpoint.bind_nonreentrant(entry, *_entry_args(fn, x))
+        call = torch_hooks.bind_nonreentrant(entry, *_entry_args(fn, x))
         gen_ = call.call(entry, fn, tuc.noop_context_fn)
         next(gen_)
         out = fn(x)
@@ -125,7 +123,7 @@ def test_the_unseen_region_warning_fires_when_the_hook_is_routed_around(monkeypa
 
 
 def _entry_args(fn, x):
-    if torch_checkpoint.HOOKS.nonreentrant.endswith("_impl"):
+    if torch_hooks.HOOKS.nonreentrant.endswith("_impl"):
         return (fn, (x,), {}), {"preserve_rng_state": True}
     return (fn, True, tuc.noop_context_fn, "default", False, True, x), {}
 

@@ -188,7 +188,7 @@ def test_random_op_without_checkpoint_quiet(device):
 
 
 def test_event_digest_is_the_seed_digest(device):
-    from rngcheck._xla import seed_digest
+    from rngcheck.core.xla import seed_digest
 
     x = torch.ones(8, device=device)
     with rngcheck.RNGConsistencyMode() as mode:

@@ -1,5 +1,5 @@
 """The checker's configuration: one validated, frozen dataclass. Environment variables are read at
-the edge (``env.py``, the CLI, the pytest plugin) and turned into one of these."""
+the edge (``rngcheck.env``, the CLI, the pytest plugin) and turned into one of these."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Config:
     on_finding: str = "raise"
     check_recompute: bool = True
     window: int = 4096  # recent events kept in memory
-    every: int = 1024  # with sync="step", also exchange after this many random ops
+    every_ops: int = 1024  # with sync="step", also exchange after this many random ops
     every_steps: int = 1  # with sync="step", exchange at every Nth optimizer step only
     # Seconds a rank waits for the others at an exchange; None: the process group's own timeout.
     timeout: float | None = None
@@ -39,7 +39,7 @@ class Config:
         if not isinstance(self.check_recompute, bool):
             raise ValueError(f"check_recompute must be True or False; got {self.check_recompute!r}")
         _positive_int("window", self.window)
-        _positive_int("every", self.every)
+        _positive_int("every_ops", self.every_ops)
         _positive_int("every_steps", self.every_steps)
         if self.timeout is not None and (
             isinstance(self.timeout, bool)

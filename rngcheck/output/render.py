@@ -14,9 +14,10 @@ from rich.traceback import Frame as RichFrame
 from rich.traceback import Stack as RichStack
 from rich.traceback import Trace, Traceback
 
-from .events import RandomOpEvent
-from .report import Finding, Report, Side, format_ranks
-from .stacks import Stack
+from ..core.events import RandomOpEvent
+from ..core.findings import Finding, Side, format_ranks
+from ..core.stacks import Stack
+from .report import Report
 
 __all__ = ["format_finding", "format_report", "print_finding", "print_report", "render_finding"]
 

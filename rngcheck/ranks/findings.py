@@ -1,57 +1,70 @@
-"""Localising a cross-rank divergence and describing it: pure functions of the data every rank
-gathered after a mismatch (each rank's window of random-op rows and the detail of its op at the
-divergent position), so every rank builds the same finding and one of them draws it."""
+"""Describing a cross-rank divergence: pure functions of the data every rank gathered after a
+mismatch (each rank's window of rows, and the :class:`Detail` of its op at the divergent
+position), so every rank builds the same finding and one of them draws it."""
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from .events import RandomOpEvent, SeedCall
-from .report import Finding, FindingKind, Side, format_ranks
-from .stacks import Stack
+from ..core.events import RandomOpEvent, SeedCall
+from ..core.findings import Finding, FindingKind, Side, format_ranks
+from ..core.stacks import Stack
+from .localise import Spot, extra_ops
+from .protocol import POLICY_CODE, Point, Row
 
 __all__ = [
-    "POLICY_CODE",
-    "Point",
-    "Row",
-    "Spot",
+    "Detail",
+    "Uncompared",
     "build_finding",
     "init_finding",
-    "localise",
+    "missing_finding",
     "per_rank_seeding",
     "point_text",
 ]
 
 _DATA_DIR = "/torch/utils/data/"
 
-# "same" by default (the mode's expectation), "differ", and "same" as declared: an expect()
-# block or a DTensor's mesh. Only the default may turn out to be a per-rank stream (Rule 3).
-POLICY_CODE = {"same": 1, "differ": 2, "declared": 3}
+
+class Uncompared(NamedTuple):
+    """Random ops a rank drew from a generator without comparing them, since its last checked op."""
+
+    count: int
+    op: str  # the last of them
+    site: str
+    why: str  # "under expect('ignore')", "in the data-parallel forward/backward of ...", ...
 
 
-class Row(NamedTuple):
-    """One random op as the ranks exchange it: six int64s, the same layout on every rank."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Detail:
+    """What one rank tells the others about its op at the divergent position (gathered as JSON)."""
 
-    structure: int  # digest of op, generator and arguments: what must run in the same order
-    stream: int  # digest of the expectation and the ranks it spans; 0: compared in order only
-    before: int  # the generator's state digest before the op (0: unreadable)
-    after: int
-    policy: int  # POLICY_CODE of the stream's expectation
-    generator: int  # digest of the generator's cross-rank name (a per-rank stream drops its rows)
+    event: RandomOpEvent | None  # None: this rank ran no random op there
+    point: str  # where this rank joined the exchange, in words
+    seed_calls: tuple[SeedCall, ...] = ()  # the user's seeding calls that reached the generator
+    uncompared: Uncompared | None = None
+    wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
 
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "event": self.event.to_dict() if self.event is not None else None,
+            "point": self.point,
+            "seed_calls": [c.to_dict() for c in self.seed_calls],
+            "uncompared": list(self.uncompared) if self.uncompared is not None else None,
+            "wrappers": list(self.wrappers),
+        }
 
-class Point(enum.IntEnum):
-    """Where a rank stood when it joined an exchange; all ranks must stand at the same kind."""
-
-    RANDOM_OP = 1
-    COLLECTIVE = 2
-    OPTIMIZER_STEP = 3
-    EVERY = 4
-    CHECK = 5
-    EXIT = 6
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Detail:
+        event, uncompared = data.get("event"), data.get("uncompared")
+        return cls(
+            event=RandomOpEvent.from_dict(event) if event else None,
+            point=str(data["point"]),
+            seed_calls=tuple(SeedCall.from_dict(c) for c in data.get("seed_calls", [])),
+            uncompared=Uncompared(*uncompared) if uncompared else None,
+            wrappers=tuple(data.get("wrappers", ())),
+        )
 
 
 POINT_TEXT = {
@@ -73,63 +86,6 @@ def point_text(point: Point, where: str, stack: Stack) -> str:
     return f"{what} at {site.short_location}" if site is not None and site.user else what
 
 
-@dataclass(frozen=True, slots=True)
-class Spot:
-    """Where the gathered windows first disagree, and in what way."""
-
-    kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
-    index: int  # position in the windows (flow, points) or in the stream (state, collision)
-    stream: int = 0
-    policy: int = 0  # the stream's POLICY_CODE (state, collision)
-
-    def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
-        """The position in ``window`` of this rank's op at the spot (past the end: none)."""
-        if self.kind in ("flow", "points"):
-            return self.index
-        positions = [i for i, r in enumerate(window) if r.stream == self.stream]
-        return positions[self.index] if self.index < len(positions) else -1
-
-
-def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | None:
-    """The first place the ranks' windows disagree: different ops (control flow), then, stream by
-    stream, states ("same") or shared states ("differ"), then different exchange points. None:
-    they agree (two streams only shared a hashed value)."""
-    length = max(len(w) for w in windows.values())
-    for i in range(length):
-        if len({w[i].structure if i < len(w) else None for w in windows.values()}) > 1:
-            return Spot("flow", i)
-    streams: dict[int, dict[int, list[Row]]] = {}
-    for rank, w in windows.items():
-        for r in w:
-            if r.stream:
-                streams.setdefault(r.stream, {}).setdefault(rank, []).append(r)
-    first: Spot | None = None
-    first_pos = length
-    for stream, by_rank in streams.items():
-        if len(by_rank) < 2:
-            continue
-        for j in range(min(len(v) for v in by_rank.values())):
-            at = [v[j] for v in by_rank.values()]
-            if at[0].policy == POLICY_CODE["differ"]:
-                states = [r.before for r in at]
-                bad = len(set(states)) < len(states)
-                kind = "collision"
-            else:
-                bad = len({(r.before, r.after) for r in at}) > 1
-                kind = "state"
-            if bad:
-                rank0 = min(by_rank)
-                pos = [i for i, r in enumerate(windows[rank0]) if r.stream == stream][j]
-                if pos < first_pos:
-                    first, first_pos = Spot(kind, j, stream, at[0].policy), pos
-                break
-    if first is not None:
-        return first
-    if len(set(points.values())) > 1:
-        return Spot("points", length)
-    return None
-
-
 def _groups(keys: dict[int, Any]) -> list[tuple[int, ...]]:
     """Ranks grouped by key, the largest group first (ties: the group with the lowest rank)."""
     by: dict[Any, list[int]] = {}
@@ -138,17 +94,12 @@ def _groups(keys: dict[int, Any]) -> list[tuple[int, ...]]:
     return sorted((tuple(v) for v in by.values()), key=lambda g: (-len(g), g[0]))
 
 
-def _event(detail: dict[str, Any]) -> RandomOpEvent | None:
-    data = detail.get("event")
-    return RandomOpEvent.from_dict(data) if data else None
-
-
 def _ranks_word(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"
 
 
 def build_finding(
-    spot: Spot, windows: dict[int, list[Row]], details: dict[int, dict], domain: tuple
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
 ) -> Finding:
     if spot.kind == "flow":
         return _flow_finding(spot, windows, details, domain)
@@ -157,11 +108,11 @@ def build_finding(
     involved = {
         r: details[r]
         for r in domain
-        if details[r].get("event") is not None
+        if details[r].event is not None
         and windows[r]
         and any(row.stream == spot.stream for row in windows[r])
     }
-    events = {r: _event(d) for r, d in involved.items()}
+    events = {r: d.event for r, d in involved.items()}
     if spot.kind == "collision":
         return _collision_finding(events, details)
     return _state_finding(events, details)
@@ -170,15 +121,13 @@ def build_finding(
 def _sides(
     groups: list[tuple[int, ...]],
     events: dict[int, RandomOpEvent | None],
-    details: dict[int, dict],
+    details: dict[int, Detail],
     labels: Sequence[str],
 ) -> tuple[Side, ...]:
     sides = []
     for label, ranks in zip(labels, groups, strict=False):
         ev = events.get(ranks[0])
-        note = (
-            "" if ev is not None else f"ran no random op here; reached {details[ranks[0]]['point']}"
-        )
+        note = "" if ev is not None else f"ran no random op here; reached {details[ranks[0]].point}"
         sides.append(Side(label=label, ranks=ranks, event=ev, note=note))
     return tuple(sides)
 
@@ -197,16 +146,16 @@ def _labels(groups: list[tuple[int, ...]], culprit: int) -> tuple[list[tuple[int
 
 
 def _flow_finding(
-    spot: Spot, windows: dict[int, list[Row]], details: dict[int, dict], domain: tuple
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
 ) -> Finding:
     i = spot.index
     at = {r: (windows[r][i].structure if i < len(windows[r]) else None) for r in domain}
     groups = _groups(at)
-    events = {r: _event(details[r]) for r in domain}
+    events = {r: details[r].event for r in domain}
     a, b = groups[0], groups[1]
     # Which side ran extra ops? The one that, after k ops of its own, runs what the other side
     # runs now (or runs on where the other side's window ended); the fewer extra ops, the likelier.
-    ka, kb = _extra(windows[a[0]], i, at[b[0]]), _extra(windows[b[0]], i, at[a[0]])
+    ka, kb = extra_ops(windows[a[0]], i, at[b[0]]), extra_ops(windows[b[0]], i, at[a[0]])
     culprit = 1
     extra_side: tuple[int, ...] | None = None
     extra = 0
@@ -280,21 +229,6 @@ def _flow_finding(
     )
 
 
-_LOOKAHEAD = 256  # extra ops one side may have run before the sides line up again
-
-
-def _extra(window: list[Row], i: int, other: int | None) -> int:
-    """How many ops ``window`` runs from ``i`` before it runs ``other`` (the other side's op at
-    ``i``; None: the other side's window ended there, so all of this one's are extra). 0: never
-    within the lookahead."""
-    if other is None:
-        return max(len(window) - i, 0)
-    for k in range(1, min(_LOOKAHEAD, len(window) - i)):
-        if window[i + k].structure == other:
-            return k
-    return 0
-
-
 def _describe(side: Side) -> str:
     who = _ranks_word(side.ranks)
     if side.event is None:
@@ -302,11 +236,11 @@ def _describe(side: Side) -> str:
     return f"{who} ran {side.event.op} at {side.event.site}"
 
 
-def _points_finding(details: dict[int, dict], domain: tuple) -> Finding:
-    groups = _groups({r: details[r]["point"].split(" at ")[0] for r in domain})
+def _points_finding(details: dict[int, Detail], domain: tuple) -> Finding:
+    groups = _groups({r: details[r].point.split(" at ")[0] for r in domain})
     ordered, labels = _labels(groups, len(groups) - 1)
     sides = tuple(
-        Side(label=label, ranks=g, note=f"reached {details[g[0]]['point']}")
+        Side(label=label, ranks=g, note=f"reached {details[g[0]].point}")
         for label, g in zip(labels, ordered, strict=False)
     )
     return Finding(
@@ -324,21 +258,20 @@ def _points_finding(details: dict[int, dict], domain: tuple) -> Finding:
     )
 
 
-def _seed_text(detail: dict[str, Any], event: RandomOpEvent) -> str:
+def _seed_text(detail: Detail, event: RandomOpEvent) -> str:
     if event.out_of_band is not None and event.out_of_band.user_calls:
         return event.out_of_band.describe()
-    calls = [SeedCall.from_dict(c) for c in detail.get("seed_calls", [])]
-    return "; ".join(c.text for c in calls)
+    return "; ".join(c.text for c in detail.seed_calls)
 
 
 def _ignored_text(
-    details: dict[int, dict], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
+    details: dict[int, Detail], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
 ) -> str:
     """Random ops rngcheck does not compare (under expect("ignore"), in a data-parallel forward)
     that drew from the generator on some ranks only, or a different number of times."""
     parts = []
     for ranks in (odd, ref):
-        ignored = details[ranks[0]].get("ignored")
+        ignored = details[ranks[0]].uncompared
         if ignored:
             count, op, site, why = ignored
             parts.append(
@@ -353,14 +286,118 @@ def _ignored_text(
     )
 
 
-def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, dict]) -> Finding:
+@dataclass(frozen=True)
+class _StateEvidence:
+    """What a state divergence shows: the two sides, their seeding calls and uncompared ops."""
+
+    before_differs: bool
+    ref: Side
+    odd: Side
+    gen: str
+    seeds: dict[tuple[int, ...], str]
+    details: dict[int, Detail]
+
+    @property
+    def ev(self) -> RandomOpEvent:
+        assert self.odd.event is not None
+        return self.odd.event
+
+    @property
+    def odd_seeds(self) -> str:
+        return self.seeds[self.odd.ranks]
+
+    @property
+    def ref_seeds(self) -> str:
+        return self.seeds[self.ref.ranks]
+
+    def uncompared(self, side: Side) -> Uncompared | None:
+        return self.details[side.ranks[0]].uncompared
+
+
+@dataclass(frozen=True)
+class _StateCause:
+    name: str
+    when: Callable[[_StateEvidence], bool]
+    says: Callable[[_StateEvidence], str]
+
+
+def _drew_differently(e: _StateEvidence) -> str:
+    if e.ref.event is None:
+        return "the op itself drew differently"
+    return (
+        f"the op itself drew differently: arguments {', '.join(e.ref.event.args)} on "
+        f"{_ranks_word(e.ref.ranks)} versus {', '.join(e.ev.args)} on {_ranks_word(e.odd.ranks)}"
+    )
+
+
+def _seeded_differently(e: _StateEvidence) -> str:
+    return (
+        f"the ranks seeded {e.gen} differently: {_ranks_word(e.ref.ranks)} {e.ref_seeds}; "
+        f"{_ranks_word(e.odd.ranks)} {e.odd_seeds}. A seed that depends on the rank (seed + rank) "
+        "before building a replicated model makes replicas differ; seed every rank alike, and "
+        "scope per-rank streams with rngcheck.expect('differ')"
+    )
+
+
+# Why ranks that must hold the same state do not: the first row whose condition holds wins.
+STATE_CAUSES: tuple[_StateCause, ...] = (
+    _StateCause(
+        "the op drew differently",
+        lambda e: not e.before_differs,
+        _drew_differently,
+    ),
+    _StateCause(
+        "seeded differently",
+        lambda e: bool(e.odd_seeds and e.ref_seeds and e.odd_seeds != e.ref_seeds),
+        _seeded_differently,
+    ),
+    _StateCause(
+        "uncompared ops moved the generator",
+        lambda e: e.uncompared(e.odd) != e.uncompared(e.ref),
+        lambda e: _ignored_text(e.details, e.odd.ranks, e.ref.ranks, e.gen),
+    ),
+    _StateCause(
+        "changed outside a random op",
+        lambda e: bool(e.odd_seeds),
+        lambda e: f"{_ranks_word(e.odd.ranks)} changed {e.gen} outside a random op: {e.odd_seeds}",
+    ),
+    _StateCause(
+        "changed out of band",
+        lambda e: e.ev.out_of_band is not None,
+        lambda e: (
+            f"{_ranks_word(e.odd.ranks)}: {e.gen} "
+            f"{e.ev.out_of_band.describe() if e.ev.out_of_band else ''}"
+        ),
+    ),
+    _StateCause(
+        "a user generator out of view",
+        lambda e: not e.ev.generator.is_default,
+        lambda e: (
+            f"{e.gen} is in a different state on {_ranks_word(e.odd.ranks)}: it was seeded "
+            "differently or advanced on those ranks only, where rngcheck could not see it (before "
+            "the checker started, or by Generator.manual_seed / set_state)"
+        ),
+    ),
+    _StateCause(
+        "already differed",
+        lambda e: True,
+        lambda e: (
+            f"{e.gen} already differed when the checker first compared it: the ranks were "
+            "seeded differently (a seed that depends on the rank) or some drew random numbers "
+            "before the checker started"
+        ),
+    ),
+)
+
+
+def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, Detail]) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     before_differs = len({e.before for e in evs.values()}) > 1
     groups = _groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
     seeds = {g: _seed_text(details[g[0]], evs[g[0]]) for g in groups}
 
     def suspect(g: tuple[int, ...]) -> bool:  # did something change the generator here?
-        return bool(seeds[g] or details[g[0]].get("ignored"))
+        return bool(seeds[g] or details[g[0]].uncompared)
 
     culprit = len(groups) - 1 if len(groups[0]) > len(groups[-1]) else 1
     if len(groups[0]) == len(groups[1]) and suspect(groups[0]) and not suspect(groups[1]):
@@ -375,36 +412,8 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, d
     ev = odd.event
     assert ev is not None and ref.event is not None
     gen = ev.generator.label
-    if not before_differs:
-        cause = (
-            f"the op itself drew differently: arguments {', '.join(ref.event.args)} on "
-            f"{_ranks_word(ref.ranks)} versus {', '.join(ev.args)} on {_ranks_word(odd.ranks)}"
-        )
-    elif seeds[odd.ranks] and seeds[ref.ranks] and seeds[odd.ranks] != seeds[ref.ranks]:
-        cause = (
-            f"the ranks seeded {gen} differently: {_ranks_word(ref.ranks)} {seeds[ref.ranks]}; "
-            f"{_ranks_word(odd.ranks)} {seeds[odd.ranks]}. A seed that depends on the rank "
-            "(seed + rank) before building a replicated model makes replicas differ; seed every "
-            "rank alike, and scope per-rank streams with rngcheck.expect('differ')"
-        )
-    elif details[odd.ranks[0]].get("ignored") != details[ref.ranks[0]].get("ignored"):
-        cause = _ignored_text(details, odd.ranks, ref.ranks, gen)
-    elif seeds[odd.ranks]:
-        cause = f"{_ranks_word(odd.ranks)} changed {gen} outside a random op: {seeds[odd.ranks]}"
-    elif ev.out_of_band is not None:
-        cause = f"{_ranks_word(odd.ranks)}: {gen} {ev.out_of_band.describe()}"
-    elif not ev.generator.is_default:
-        cause = (
-            f"{gen} is in a different state on {_ranks_word(odd.ranks)}: it was seeded differently "
-            "or advanced on those ranks only, where rngcheck could not see it (before the checker "
-            "started, or by Generator.manual_seed / set_state)"
-        )
-    else:
-        cause = (
-            f"{gen} already differed when the checker first compared it: the ranks were seeded "
-            "differently (a seed that depends on the rank) or some drew random numbers before "
-            "the checker started"
-        )
+    evidence = _StateEvidence(before_differs, ref, odd, gen, seeds, details)
+    cause = next(c.says(evidence) for c in STATE_CAUSES if c.when(evidence))
     what = "before" if before_differs else "after"
     return Finding(
         kind=FindingKind.RANK_DIVERGENCE,
@@ -424,7 +433,7 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, d
 
 
 def _collision_finding(
-    events: dict[int, RandomOpEvent | None], details: dict[int, dict]
+    events: dict[int, RandomOpEvent | None], details: dict[int, Detail]
 ) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     groups = _groups({r: e.before for r, e in evs.items()})
@@ -457,13 +466,13 @@ def _collision_finding(
     )
 
 
-def per_rank_seeding(spot: Spot, details: dict[int, dict]) -> tuple[RandomOpEvent, str] | None:
+def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
     """When the ranks' states differ at ``spot`` because the generator was seeded differently on
     each rank (its initial seeds differ: ``torch.manual_seed(seed + rank)``, a per-rank
     ``torch.Generator``), that generator (one rank's event of it) and why, in words; else None."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
         return None
-    events = {r: _event(d) for r, d in details.items()}
+    events = {r: d.event for r, d in details.items()}
     evs = {r: e for r, e in events.items() if e is not None}
     seeds = {r: e.seed for r, e in evs.items()}
     if len(evs) < 2 or None in seeds.values() or len(set(seeds.values())) < 2:
@@ -477,12 +486,10 @@ def per_rank_seeding(spot: Spot, details: dict[int, dict]) -> tuple[RandomOpEven
     return first, why + (f"; {sites})" if sites else ")")
 
 
-def init_finding(finding: Finding, details: dict[int, dict]) -> Finding:
+def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:
     """A divergence among parameter initialisations, settled at the first step (Rule 4): the
     parameters are replicated, and nothing broadcast them."""
-    from dataclasses import replace
-
-    wrappers = details[min(details)].get("dp") or []
+    wrappers = details[min(details)].wrappers
     without = (
         f" ({'; '.join(wrappers)} does not broadcast module states at construction)"
         if wrappers
@@ -499,4 +506,66 @@ def init_finding(finding: Finding, details: dict[int, dict]) -> Finding:
         finding,
         message=f"parameters initialised differently across ranks: {finding.message}",
         cause=cause,
+    )
+
+
+def missing_finding(
+    *,
+    rank: int,
+    domain: tuple[int, ...],
+    arrived: tuple[int, ...],
+    left: dict[int, str],
+    number: int,
+    here: str,
+    sent_at: str,
+    timeout: float,
+    last: RandomOpEvent | None,
+    stack: Stack,
+    error: BaseException,
+) -> Finding:
+    """A rank did not reach exchange ``number`` within ``timeout``: which ranks arrived (the
+    store's notes), why the others left where they said so, and where this rank waited."""
+    missing = tuple(r for r in domain if r not in arrived)
+    late = not missing  # everyone else also gave up here: this rank is the one that came late
+    if late:
+        missing = (rank,)
+        arrived = tuple(r for r in domain if r != rank)
+    cause = (
+        "the missing rank(s) stopped running the code the others run: an early return "
+        "or exception on that rank, a hang, a crash, or a different number of optimizer "
+        "steps or collectives"
+    )
+    gone = {r: why for r, why in left.items() if r in missing}
+    if gone:
+        cause = "; ".join(
+            f"rank {r} left the checked block early ({why})" for r, why in sorted(gone.items())
+        )
+    cause += (
+        ". rngcheck stopped exchanging so the program does not hang on it "
+        f"({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+    )
+    message = (
+        f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{number} within "
+        f"{timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
+    )
+    if sent_at != here:
+        message += f" (exchange #{number} was sent at {sent_at})"
+    if late:
+        message = (
+            f"this rank ({rank}) reached RNG exchange #{number} at {sent_at} after "
+            f"rank(s) {format_ranks(arrived)} had given up waiting ({timeout:g} s)"
+        )
+    return Finding(
+        kind=FindingKind.RANK_MISSING,
+        message=message,
+        op=last.op if last is not None else "",
+        cause=cause,
+        differs="arrival",
+        ranks=missing,
+        stack=stack,
+        sides=(
+            Side(label="arrived", ranks=arrived, note=f"waited at {here}"),
+            Side(label="missing", ranks=missing, note="did not reach the exchange"),
+        ),
+        seq=last.seq if last is not None else -1,
     )

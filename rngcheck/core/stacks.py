@@ -28,7 +28,7 @@ def _dir_of(module_file: str) -> str:
 _INTERNAL_PREFIXES: tuple[str, ...] = tuple(
     {
         _dir_of(torch.__file__),
-        _dir_of(__file__),
+        _dir_of(os.path.dirname(os.path.abspath(__file__))),  # the rngcheck package
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
     }
 )

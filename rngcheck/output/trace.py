@@ -19,12 +19,12 @@ import os
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .events import RandomOpEvent
-from .stacks import Frame
+from ..core.events import RandomOpEvent
+from ..core.stacks import Frame
 
 __all__ = [
     "Divergence",
@@ -187,9 +187,9 @@ class TraceFeed:
     reported (as a warning) when the mode writes its outputs at exit.
     """
 
-    def __init__(self, path: str, mode: Any) -> None:
+    def __init__(self, path: str, meta: Callable[[], dict[str, Any]]) -> None:
         self._path = path
-        self._mode = mode
+        self._meta = meta  # the run's metadata when the recorder opens (rank, world size, ...)
         self._recorder: TraceRecorder | None = None
         self._error: OSError | None = None
 
@@ -198,7 +198,7 @@ class TraceFeed:
             return
         try:
             if self._recorder is None:
-                self._recorder = TraceRecorder(self._path, meta=_meta_of(self._mode))
+                self._recorder = TraceRecorder(self._path, meta=self._meta())
             self._recorder.add(event)
         except OSError as e:
             if self._recorder is not None:
@@ -215,15 +215,6 @@ class TraceFeed:
             raise OSError(f"recording stopped at a disk error: {self._error}")
         recorder, self._recorder = self._recorder, None
         return recorder if recorder is not None else []
-
-
-def _meta_of(mode: Any) -> dict[str, Any]:
-    report = getattr(mode, "_report", None)
-    meta = dict(getattr(report, "meta", {}) or {})
-    if report is not None:
-        meta.setdefault("rank", report.rank)
-        meta.setdefault("world_size", report.world_size)
-    return meta
 
 
 def write_trace(

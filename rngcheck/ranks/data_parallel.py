@@ -56,7 +56,7 @@ class Wrapper:
 
     @property
     def label(self) -> str:
-        from .report import format_ranks
+        from ..core.findings import format_ranks
 
         return f"{self.kind} over ranks {format_ranks(self.ranks)}"
 

@@ -4,7 +4,8 @@ arguments for a report.
 An op is random when it carries ``torch.Tag.nondeterministic_seeded`` (114 aten overloads on torch
 2.13: dropout, bernoulli, rand*, randn*, randperm, normal, uniform_, SDPA kernels, ...) or when it
 was registered with :func:`register_random_op` (custom ops that draw from a torch generator without
-the tag). Every op is classified once; the dispatch mode's hot path is one dict lookup.
+the tag). Every op is classified once, into :data:`KINDS`, the one table the dispatch mode's hot
+path reads (one dict lookup); registering an op updates that same table, also while a mode runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-__all__ = ["OpKind", "classify", "op_name", "register_random_op", "summarize_args"]
+__all__ = ["KINDS", "OpKind", "classify", "op_name", "register_random_op", "summarize_args"]
 
 
 class OpKind(enum.IntEnum):
@@ -26,7 +27,17 @@ class OpKind(enum.IntEnum):
 
 
 _EXTRA_RANDOM: set[OpOverload] = set()
-_CLASSIFIED: dict[Any, OpKind] = {}
+
+
+class _KindTable(dict):  # type: ignore[type-arg]
+    """op -> OpKind, classifying an op the first time it is looked up."""
+
+    def __missing__(self, func: Any) -> OpKind:
+        kind = self[func] = _classify(func)
+        return kind
+
+
+KINDS: dict[Any, OpKind] = _KindTable()
 
 
 def register_random_op(*ops: OpOverload | OpOverloadPacket) -> None:
@@ -55,7 +66,7 @@ def register_random_op(*ops: OpOverload | OpOverloadPacket) -> None:
             )
     for op in overloads:
         _EXTRA_RANDOM.add(op)
-        _CLASSIFIED.pop(op, None)
+        KINDS[op] = OpKind.RANDOM  # the table a running mode reads: it checks the op from now on
 
 
 def _is_collective(func: Any) -> bool:
@@ -63,17 +74,17 @@ def _is_collective(func: Any) -> bool:
 
 
 def classify(func: Any) -> OpKind:
-    """Classify an op (cached). Called on the first sight of every op, so it may be slowish."""
-    kind = _CLASSIFIED.get(func)
-    if kind is None:
-        if func in _EXTRA_RANDOM or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            kind = OpKind.RANDOM
-        elif _is_collective(func):
-            kind = OpKind.COLLECTIVE
-        else:
-            kind = OpKind.PASS
-        _CLASSIFIED[func] = kind
-    return kind
+    """The kind of an op (from :data:`KINDS`)."""
+    return KINDS[func]
+
+
+def _classify(func: Any) -> OpKind:
+    """Called on the first sight of every op, so it may be slowish."""
+    if func in _EXTRA_RANDOM or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return OpKind.RANDOM
+    if _is_collective(func):
+        return OpKind.COLLECTIVE
+    return OpKind.PASS
 
 
 _WRITES: dict[Any, bool] = {}

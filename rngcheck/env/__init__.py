@@ -1,0 +1,74 @@
+"""Activation from environment variables: ``RNGCHECK=1 torchrun ... train.py`` checks an
+unmodified script.
+
+The package installs a startup hook (``rngcheck-autostart.pth``) that Python runs before any user
+code. Unless ``RNGCHECK`` is set to an "on" value, that hook imports nothing at all. When it is on,
+:func:`_startup_hook` reads the ``RNGCHECK_*`` variables (all of them validated here, at the edge),
+enters an :class:`~rngcheck.RNGConsistencyMode` and arranges for the rest:
+
+- binding to torch.distributed right after the script calls ``init_process_group`` (and before it
+  calls ``destroy_process_group``, which is where the checking ends and the final exchange runs);
+- exchanges at optimizer steps with ``sync="step"`` (the rank checker's own global step hook; the
+  activation binds late at the first step when the group came from an unpatched copy of
+  ``init_process_group``), and a report re-saved after each step that brought a new finding;
+- the report and trace written at exit, also after an uncaught exception and on SIGTERM (how
+  torchrun stops the other ranks when one fails), so a rank killed by the finding leaves its
+  report on disk;
+- one short line on stderr at exit (rank 0 only) and, with ``RNGCHECK_ON_FINDING=record``, the
+  findings rendered there once (by the lowest rank involved).
+
+Which processes it starts in: the one running the user's script or module. Not in launchers
+(``torchrun``, ``python -m torch.distributed.run``), not in multiprocessing children
+(DataLoader workers, ``torch.multiprocessing.spawn``), not in pytest (``RNGCHECK=1 pytest`` turns
+the plugin's ``--rngcheck`` on instead), not in the ``rngcheck`` CLI, and not in a python process
+started by an already checked one (its report would overwrite the parent's).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .activation import Activation
+from .process import skip_reason
+from .variables import VARIABLES, EnvError, EnvSettings, settings_from_env
+
+__all__ = ["VARIABLES", "Activation", "EnvError", "EnvSettings", "activate", "settings_from_env"]
+
+log = logging.getLogger(__name__)
+
+_ACTIVATION: Activation | None = None
+_STARTED = False
+
+
+def activate(settings: EnvSettings | None = None) -> Activation:
+    """Start checking this process the way ``RNGCHECK=1`` does (for launchers of your own)."""
+    global _ACTIVATION
+    if _ACTIVATION is not None and not _ACTIVATION.exited:
+        raise RuntimeError("rngcheck is already active in this process (RNGCHECK=1?)")
+    settings = settings or settings_from_env()
+    _ACTIVATION = Activation(settings).start()
+    return _ACTIVATION
+
+
+def _startup_hook() -> None:
+    """Run by ``rngcheck-autostart.pth`` at interpreter start-up, when RNGCHECK is not off."""
+    global _STARTED
+    if _STARTED:  # a .pth can be processed twice (a venv over a venv)
+        return
+    _STARTED = True
+    reason = skip_reason(os.environ)
+    if reason:
+        log.debug("RNGCHECK is set, but this process is %s: not checking it", reason)
+        return
+    try:
+        settings = settings_from_env()
+        if settings.enabled:
+            activate(settings)
+    except Exception as e:  # noqa: BLE001 - a start-up failure must stop the run, loudly
+        # Raising here would only print a warning from site.py and run the script unchecked.
+        message = str(e) if isinstance(e, EnvError) else f"{type(e).__name__}: {e}"
+        sys.stderr.write(f"rngcheck: cannot start: {message}\n")
+        sys.stderr.flush()
+        os._exit(2)

@@ -1,0 +1,322 @@
+"""The environment-started mode and everything around it, one per process: binding to
+torch.distributed when the script initialises it (and ending the checking before it destroys it),
+the report re-saved after each step with a new finding, the report and trace written at exit,
+after an uncaught exception and on SIGTERM, the start-up and closing lines, and forked children
+(DataLoader workers) left unchecked."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .process import OWNER_VAR, run_id
+from .variables import EnvSettings
+
+__all__ = ["Activation"]
+
+log = logging.getLogger(__name__)
+
+
+class Activation:
+    """The environment-started mode and everything around it. One per process."""
+
+    def __init__(self, settings: EnvSettings) -> None:
+        from ..mode import RNGConsistencyMode
+
+        self.settings = settings
+        self.mode = RNGConsistencyMode(**settings.mode_kwargs)
+        report = self.mode.report
+        report.rank, report.world_size = settings.rank, settings.world_size
+        report.meta.update(
+            run_id=run_id(os.environ),
+            argv=list(sys.argv),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            activated_by="RNGCHECK",
+        )
+        self.steps = 0
+        self.bound = False
+        self.exited = False
+        self.signal: int | None = None
+        self.stopped_by: BaseException | None = None  # the finding's error that ended the run
+        self._saved_findings = 0
+        self._restore: list[Callable[[], None]] = []
+        self._step_hook: Any = None  # re-registered at bind, so it is never in _restore
+        self._previous_excepthook: Callable[..., Any] = sys.excepthook
+        self._lock = threading.RLock()
+
+    # -- start -------------------------------------------------------------------------------
+
+    def start(self) -> Activation:
+        import torch
+
+        self.mode.report.meta["torch"] = torch.__version__
+        self.mode.__enter__()
+        try:
+            self._patch_distributed()
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(self._after_step)
+            atexit.register(self.finish)
+            os.register_at_fork(after_in_child=self._in_forked_child)
+            self._install_signal_handler()
+            # Kept after the checking ends: the last exchange (at destroy_process_group) can raise
+            # a finding's error that reaches the top only later.
+            self._previous_excepthook = sys.excepthook
+            sys.excepthook = self._excepthook
+        except BaseException:
+            self._exit(*sys.exc_info(), "rngcheck failed to start")
+            raise
+        os.environ[OWNER_VAR] = str(os.getpid())
+        if self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
+            self._announce()
+        return self
+
+    def _announce(self) -> None:
+        """One line at start, on the lowest rank: what is checked, how, and where reports go."""
+        import torch
+
+        mode, report = self.mode, self.mode.report
+        if report.rank != 0:
+            return
+        cfg = mode.config
+        checks = []
+        if report.world_size > 1 and cfg.sync != "off":
+            timeout = report.meta.get("rank_timeout") or {}
+            wait = f", timeout {timeout['seconds']:g} s from {timeout['from']}" if timeout else ""
+            checks.append(
+                f"random ops across ranks 0-{report.world_size - 1} (sync={cfg.sync}{wait})"
+            )
+        if cfg.check_recompute:
+            checks.append("checkpoint recomputes")
+        what = " and ".join(checks) or "random ops (nothing to compare: one process, recompute off)"
+        where = (
+            f"; reports: {self.settings.report_template}" if self.settings.report_template else ""
+        )
+        sys.stderr.write(
+            f"rngcheck: checking {what} (torch {torch.__version__}; on a finding: "
+            f"{cfg.on_finding}){where}. RNGCHECK=0 turns it off.\n"
+        )
+        sys.stderr.flush()
+
+    def _patch_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        from torch.distributed import distributed_c10d
+
+        modules = [dist, distributed_c10d]
+        mesh = sys.modules.get("torch.distributed.device_mesh")
+        if mesh is not None:  # it imported init_process_group by name; patch its copy as well
+            modules.append(mesh)
+        original_init = distributed_c10d.init_process_group
+        original_destroy = distributed_c10d.destroy_process_group
+
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            out = original_init(*args, **kwargs)
+            self.bind()
+            return out
+
+        def destroy_process_group(group: Any = None) -> Any:
+            # The last exchange needs the group: end the checking before the group goes away.
+            if group is None or group is distributed_c10d.GroupMember.WORLD:
+                try:
+                    self.stop("destroy_process_group()")  # may raise the last finding's error
+                finally:
+                    original_destroy(group)  # freed either way
+                return None
+            return original_destroy(group)
+
+        wrappers = ((init_process_group, original_init), (destroy_process_group, original_destroy))
+        for fn, original in wrappers:
+            fn.__wrapped__ = original  # type: ignore[attr-defined]
+            fn.__doc__ = original.__doc__
+            for module in modules:
+                if getattr(module, original.__name__, None) is original:
+                    setattr(module, original.__name__, fn)
+                    self._restore.append(lambda m=module, o=original: setattr(m, o.__name__, o))
+
+    def bind(self) -> None:
+        """Start the cross-rank checks once torch.distributed is up (on every rank, together)."""
+        import torch.distributed as dist
+
+        if self.exited or not (dist.is_available() and dist.is_initialized()):
+            return
+        report = self.mode.report
+        report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
+        report.meta["process_group"] = {
+            "backend": str(dist.get_backend()),
+            "world_size": report.world_size,
+            "bound_after_step": self.steps,
+        }
+        self.mode.bind_distributed()
+        self.bound = True
+        self._announce()
+        # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
+        # new findings are saved at that step.
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook.remove()
+        self._step_hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.exited:
+            return
+        self.steps += 1
+        if not self.bound:  # a group made through a copy of init_process_group we did not patch
+            self.bind()  # (the rank checker then exchanges at this and every later step itself)
+        self._save_if_new_findings()
+
+    def _save_if_new_findings(self) -> None:
+        path = self.mode.config.report_path
+        count = len(self.mode.report.findings)
+        if path and count != self._saved_findings:
+            self._saved_findings = count
+            try:
+                self.mode.report.save(path)
+            except OSError as e:
+                log.warning("rngcheck could not save its report to %s: %s", path, e)
+
+    def _in_forked_child(self) -> None:
+        """A forked child (a DataLoader worker) inherits the checker mid-run: switch it off there.
+
+        Left on, the worker's random ops (augmentation) would be exchanged with the other ranks
+        from the wrong process and hang the job; its report would never be written anyway (workers
+        leave with os._exit). The parent goes on checking its own ops.
+        """
+        if self.exited:
+            return
+        self.exited = True
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+        from ..core.dispatch import Interceptor
+
+        stack = _get_current_dispatch_mode_stack()
+        if stack and isinstance(stack[-1], Interceptor):
+            _pop_mode()
+
+    def _install_signal_handler(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the program handles SIGTERM itself; atexit still writes the report
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self.exited:  # already finishing (or finished): die the default way
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
+            self.signal = signum
+            path = self.mode.config.report_path
+            if path:
+                self.mode.report.meta["ended_by"] = signal.Signals(signum).name
+                with contextlib.suppress(OSError):
+                    self.mode.report.save(path)
+            # Unwind like an exit, so finally blocks and atexit (the trace) still run.
+            raise SystemExit(128 + signum)
+
+        # Not undone at exit: it must keep saving until the process is gone (see above).
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    # -- end ---------------------------------------------------------------------------------
+
+    def _excepthook(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        from ..core.findings import RNGCheckError
+
+        if isinstance(exc, RNGCheckError):
+            # The finding was rendered when it was raised; a traceback would repeat it.
+            self.stopped_by = exc
+            if self._renders(exc.finding):
+                where = self.mode.config.report_path
+                saved = f" Report: {where}." if where else ""
+                sys.stderr.write(
+                    f"rngcheck: stopped the run at the first finding ({exc_type.__name__} at "
+                    f"{exc.finding.site}).{saved} Set RNGCHECK_ON_FINDING=record to run to the "
+                    "end and collect every finding.\n"
+                )
+            return
+        self._previous_excepthook(exc_type, exc, tb)
+
+    def _renders(self, finding: Any) -> bool:
+        """One merged rendering: the mode's rule (the rank checker's, with several ranks)."""
+        return self.mode.renders(finding)
+
+    def stop(self, reason: str = "stop()") -> None:
+        """End the checking now: final exchange, report and trace written. Raises a finding's
+        error if the final exchange finds one and on_finding is "raise"."""
+        self._exit(None, None, None, reason)
+
+    def _exit(self, exc_type: Any, exc: Any, tb: Any, reason: str) -> None:
+        with self._lock:
+            if self.exited:
+                return
+            self.exited = True
+        self.mode.report.meta.setdefault("ended_by", reason)  # what `rngcheck show` tells
+        try:
+            self.mode.__exit__(exc_type, exc, tb)
+        finally:
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
+            for undo in reversed(self._restore):
+                undo()
+            self._restore.clear()
+
+    def finish(self) -> None:
+        """At interpreter exit: end the mode (unless the script already did), then one line."""
+        from ..core.findings import RNGCheckError
+
+        exc = getattr(sys, "last_value", None)
+        failed = False
+        try:
+            if exc is not None:
+                reason = f"{type(exc).__name__}: {exc}"[:300]
+                if isinstance(exc, RNGCheckError):  # its message is the finding, shown anyway
+                    reason = f"{type(exc).__name__} at {exc.finding.site}"
+                self._exit(type(exc), exc, exc.__traceback__, reason)
+            elif self.signal is not None:
+                stop = SystemExit(128 + self.signal)
+                self._exit(SystemExit, stop, None, signal.Signals(self.signal).name)
+            else:
+                self._exit(None, None, None, "exit")
+        except RNGCheckError:
+            failed = True  # rendered by the mode; the exit status must say so
+        except Exception as e:  # noqa: BLE001 - report the checker's own failure, keep the exit
+            sys.stderr.write(f"rngcheck: could not finish checking: {type(e).__name__}: {e}\n")
+        self._print_summary()
+        if failed:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    def _print_summary(self) -> None:
+        report = self.mode.report
+        if self.mode.config.on_finding == "record" and report.findings:
+            from ..output.render import print_finding
+
+            for f in report.findings:
+                if self._renders(f):
+                    print_finding(f, console=self.mode.console)
+        if report.rank != 0 or self.stopped_by is not None:
+            return
+        status = "no findings" if report.ok else f"{len(report.findings)} finding(s)"
+        where = ""
+        if self.settings.report_template:
+            where = f"; reports: {self.settings.report_template} (read with `rngcheck show`)"
+        if self.settings.trace_template:
+            where += f"; trace: {self.settings.trace_template}"
+        ranks = f" on rank 0 of {report.world_size}" if report.world_size > 1 else ""
+        checked = f"{report.random_ops} random op(s) checked{ranks}"
+        sys.stderr.write(f"rngcheck: {checked}, {status}{where}\n")
+        sys.stderr.flush()

@@ -1,0 +1,265 @@
+"""The RNGCHECK_* variables: one table (name, valid values, default, what it does, its parser),
+read and validated at the edge into :class:`EnvSettings`. The README and the docs render this
+table; a bad value names the variable and its valid values."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.config import ON_FINDING, SYNC_MODES
+from ..core.policy import EXPECTATIONS
+
+__all__ = [
+    "OFF_VALUES",
+    "ON_VALUES",
+    "VARIABLES",
+    "EnvError",
+    "EnvSettings",
+    "Variable",
+    "settings_from_env",
+]
+
+ON_VALUES = ("1", "true", "on", "yes")
+OFF_VALUES = ("0", "false", "off", "no", "")
+
+
+class EnvError(ValueError):
+    """An RNGCHECK_* variable has a value rngcheck cannot use. The message names it and the valid
+    values."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Variable:
+    """One environment variable: its name, what it takes, its default, and what it does."""
+
+    name: str
+    values: str  # the valid values, as the README table and error messages show them
+    default: str
+    help: str
+    parse: Callable[[str, str], Any] = field(repr=False)
+
+
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ON_VALUES:
+        return True
+    if value in OFF_VALUES:
+        return False
+    raise EnvError(
+        f"{name}={raw!r} is not valid: use one of {', '.join(ON_VALUES)} (on) or "
+        f"{', '.join(v for v in OFF_VALUES if v)} (off)"
+    )
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise EnvError(f"{name}={raw!r} is not valid: use one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise EnvError(f"{name}={raw!r} is not valid: use a positive whole number (e.g. 10)")
+    return value
+
+
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise EnvError(f"{name}={raw!r} is not valid: use a positive number of seconds (e.g. 120)")
+    return value
+
+
+def _path(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise EnvError(f"{name} is set but empty: use a directory or a file path, or unset it")
+    # Absolute now: the script may chdir before the report is written at exit.
+    return os.path.abspath(os.path.expanduser(value))
+
+
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable(
+            name="RNGCHECK",
+            values="1/true/on/yes, 0/false/off/no",
+            default="off",
+            help="Check this run. Off: nothing of rngcheck is imported.",
+            parse=_flag,
+        ),
+        Variable(
+            name="RNGCHECK_ON_FINDING",
+            values=", ".join(ON_FINDING),
+            default="raise",
+            help="raise: stop at the first finding (rendered on stderr, non-zero exit); warn: "
+            "render and go on; record: go on, render the findings at exit.",
+            parse=_choice(ON_FINDING),
+        ),
+        Variable(
+            name="RNGCHECK_SYNC",
+            values=", ".join(SYNC_MODES),
+            default="step",
+            help="When ranks compare digests: at every random op, at optimizer steps, or never.",
+            parse=_choice(SYNC_MODES),
+        ),
+        Variable(
+            name="RNGCHECK_EXPECT",
+            values=", ".join(EXPECTATIONS),
+            default="same",
+            help="What ranks' generators must be by default: the same, different, or unchecked.",
+            parse=_choice(EXPECTATIONS),
+        ),
+        Variable(
+            name="RNGCHECK_EVERY_STEPS",
+            values="a positive integer N",
+            default="1",
+            help="With sync=step, exchange at every Nth optimizer step only (a long job can keep "
+            "the check on cheaply). A divergence is still pinned to its first op.",
+            parse=_positive_int,
+        ),
+        Variable(
+            name="RNGCHECK_EVERY_OPS",
+            values="a positive integer",
+            default="1024",
+            help="With sync=step, also exchange after this many random ops (jobs without an "
+            "optimizer).",
+            parse=_positive_int,
+        ),
+        Variable(
+            name="RNGCHECK_TIMEOUT",
+            values="seconds > 0",
+            default="the process group's timeout",
+            help="How long a rank waits for the others at an exchange (then: rank_missing). By "
+            "default the timeout of torch.distributed's own process group, so a rank that is "
+            "only slow (saving a checkpoint, evaluating) is never reported missing.",
+            parse=_seconds,
+        ),
+        Variable(
+            name="RNGCHECK_REPORT",
+            values="a directory, or a path with {rank}",
+            default="unset: no file",
+            help="Where each rank writes its JSON report (DIR/rank<N>.json): at exit, after a "
+            "crash, on SIGTERM, and after each step with a new finding. Read with `rngcheck show`.",
+            parse=_path,
+        ),
+        Variable(
+            name="RNGCHECK_TRACE",
+            values="a directory, or a path with {rank}",
+            default="unset: no trace",
+            help="Record every random op of the run (DIR/rank<N>.trace.jsonl) for `rngcheck diff`.",
+            parse=_path,
+        ),
+        Variable(
+            name="RNGCHECK_RECOMPUTE",
+            values="1/true/on/yes, 0/false/off/no",
+            default="on",
+            help="Compare each activation-checkpoint recompute with its forward.",
+            parse=_flag,
+        ),
+        Variable(
+            name="RNGCHECK_EVERY",
+            values="a positive integer N",
+            default="1",
+            help="The former name of RNGCHECK_EVERY_STEPS (deprecated; still read).",
+            parse=_positive_int,
+        ),
+        Variable(
+            name="RNGCHECK_WINDOW",
+            values="a positive integer",
+            default="4096",
+            help="How many recent random-op events each rank keeps in memory.",
+            parse=_positive_int,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnvSettings:
+    """What the environment asks for, validated."""
+
+    enabled: bool
+    mode_kwargs: dict[str, Any]  # keyword arguments for RNGConsistencyMode
+    rank: int = 0
+    world_size: int = 1
+    report_template: str | None = None  # as given, before the rank is filled in
+    trace_template: str | None = None
+
+
+def _rank_path(template: str, rank: int, world_size: int, default_name: str) -> str:
+    """``{rank}`` filled in; a directory gets ``default_name``; a plain file of a multi-rank run
+    gets the rank before its extension, so ranks never overwrite each other's files."""
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    root, ext = os.path.splitext(template)
+    if ext in (".json", ".jsonl") and not os.path.isdir(template):
+        return f"{root}.rank{rank}{ext}" if world_size > 1 else template
+    return os.path.join(template, default_name.format(rank=rank))
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    try:
+        return int(environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
+    """Read and validate every ``RNGCHECK*`` variable; an :class:`EnvError` names the bad one."""
+    environ = os.environ if environ is None else environ
+    unknown = sorted(k for k in environ if k.startswith("RNGCHECK") and k not in VARIABLES)
+    values: dict[str, Any] = {}
+    for name, var in VARIABLES.items():
+        if name in environ:
+            values[name] = var.parse(name, environ[name])
+    enabled = bool(values.get("RNGCHECK", False))
+    if enabled and unknown:
+        raise EnvError(
+            f"unknown variable {unknown[0]} (a typo?): rngcheck reads " + ", ".join(VARIABLES)
+        )
+    every_steps = values.get("RNGCHECK_EVERY_STEPS", values.get("RNGCHECK_EVERY", 1))
+    if "RNGCHECK_EVERY" in values and every_steps != values["RNGCHECK_EVERY"]:
+        raise EnvError(
+            f"RNGCHECK_EVERY={environ['RNGCHECK_EVERY']!r} and RNGCHECK_EVERY_STEPS="
+            f"{environ['RNGCHECK_EVERY_STEPS']!r} disagree: RNGCHECK_EVERY is the former name of "
+            "RNGCHECK_EVERY_STEPS; set only RNGCHECK_EVERY_STEPS"
+        )
+    rank = _env_int(environ, "RANK", 0)
+    world_size = _env_int(environ, "WORLD_SIZE", 1)
+    report = values.get("RNGCHECK_REPORT")
+    trace = values.get("RNGCHECK_TRACE")
+    kwargs: dict[str, Any] = {
+        "on_finding": values.get("RNGCHECK_ON_FINDING", "raise"),
+        "sync": values.get("RNGCHECK_SYNC", "step"),
+        "expect": values.get("RNGCHECK_EXPECT", "same"),
+        "timeout": values.get("RNGCHECK_TIMEOUT"),
+        "every_ops": values.get("RNGCHECK_EVERY_OPS", 1024),
+        "every_steps": every_steps,
+        "window": values.get("RNGCHECK_WINDOW", 4096),
+        "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
+        "report_path": _rank_path(report, rank, world_size, "rank{rank}.json") if report else None,
+        "trace": _rank_path(trace, rank, world_size, "rank{rank}.trace.jsonl") if trace else None,
+    }
+    return EnvSettings(
+        enabled=enabled,
+        mode_kwargs=kwargs,
+        rank=rank,
+        world_size=world_size,
+        report_template=report,
+        trace_template=trace,
+    )

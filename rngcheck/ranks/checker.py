@@ -1,0 +1,572 @@
+"""The rank checker: this rank's random ops in, rounds of the exchange protocol out
+(``protocol.py``), and a finding when the ranks that must agree do not.
+
+Rows wait in the pending window until an exchange point: every random op (``sync="op"``) or
+optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
+torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
+compared follows the data-parallel rules (Rules 1 to 4, README "what must agree with what"):
+ops of a data-parallel forward/backward and of per-rank streams are not compared, parameter
+initialisations are settled at the first step unless a wrapper broadcast them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.events import Phase, RandomOpEvent
+from ..core.findings import Finding, FindingKind, Note
+from ..core.handle import CheckerHandle
+from ..core.policy import current_expectation
+from ..core.stacks import Stack
+from .board import Board
+from .data_parallel import DataParallelTracker, Wrapper
+from .exchange import PeerLost, SideGroup
+from .findings import (
+    Detail,
+    Uncompared,
+    build_finding,
+    init_finding,
+    missing_finding,
+    per_rank_seeding,
+    point_text,
+)
+from .groups import GroupResolver, op_mesh
+from .localise import localise
+from .protocol import (
+    PIPELINED,
+    POLICY_CODE,
+    ExchangeStats,
+    Point,
+    Row,
+    disagreement,
+    fast_vector,
+    gen_key,
+    text_hash,
+)
+
+__all__ = ["RankChecker"]
+
+log = logging.getLogger(__name__)
+
+_MAX_INIT = 100_000  # parameter initialisations kept for the settle point
+
+
+@dataclass(slots=True)
+class _Init:
+    """A random op that initialised a parameter: its state is compared at the settle point, and
+    not at all if a data-parallel wrapper broadcasts that parameter first (Rule 4)."""
+
+    row: Row
+    event: RandomOpEvent
+    storage: int  # the parameter's storage, as the wrapper's broadcast names it
+    parameter: weakref.ref[Any]  # dead once replaced (tied weights, or sharded into new storage)
+
+
+@dataclass(slots=True)
+class _Round:
+    """One exchange round: the fast vector sent, and the window it covers (kept until the round
+    is settled, so a mismatch found one exchange later still localises the first divergent op)."""
+
+    number: int
+    point: Point
+    where: str
+    rows: list[Row]
+    events: list[RandomOpEvent]
+    first_use: set[int]
+    uncompared: dict[int, Uncompared]
+    vec: torch.Tensor
+    parts: dict[int, list[Row]]
+    stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
+    init: list[_Init] | None = None  # the parameter initialisations this round settles
+    held: list[Finding] | None = None  # per-rank seeding held back until this round (Rule 3)
+    work: Any = None
+
+
+class RankChecker:
+    """Exchanges this rank's random-op digests with the other ranks of its group.
+
+    Made by :func:`~rngcheck.ranks.startup.start` on every rank (collectively: it creates the
+    checker's gloo groups).
+
+    Known limitations:
+        A collective on a subgroup called by a non-member returns without reaching the dispatcher,
+        so that rank sees one alignment point fewer: call subgroup collectives on members only.
+        ``expect("differ")`` finds ranks that share a state over a whole window (or at one op,
+        with ``sync="op"``), not a pair that collides at one op of a longer window. Streams are
+        checked within the rank's ``group`` (its partition), not across partitions.
+    """
+
+    def __init__(
+        self,
+        handle: CheckerHandle,
+        side: Any,
+        domain: tuple[int, ...],
+        rank: int,
+        world: int,
+        timeout: float,
+    ):
+        self._handle = handle
+        self._cfg = handle.config
+        self._domain = domain
+        self.rank = rank
+        self.world = world
+        self.timeout = timeout
+        self.stats = ExchangeStats()
+        self._side = SideGroup(side, domain, rank, timeout, self.stats)
+        self._board = Board(self._side.name)
+        self._groups = GroupResolver(rank, world, domain)
+        self._pending: list[RandomOpEvent] = []
+        self._rows: list[Row] = []
+        self._round = 0
+        self._inflight: _Round | None = None  # posted, not yet waited for
+        self._stopped = False
+        self._finished = False
+        self._busy = False
+        # The group-wide "same" stream rides in the fast vector; streams over parts of the group
+        # ("differ" ones, expect(group=...), sub-mesh DTensors) go through small gloo groups.
+        self._whole_stream = text_hash("same", ",".join(map(str, domain)))
+        self._stream_members: dict[int, tuple[int, ...]] = {}
+        self._lock = threading.RLock()  # random ops in backward may arrive on autograd threads
+        self._seen_generators: set[str] = set()
+        self._first_use: set[int] = set()  # pending indices that are a generator's first op
+        self._uncompared: dict[str, Uncompared] = {}  # generator -> its uncompared ops since
+        self._uncompared_before: dict[int, Uncompared] = {}  # pending index -> those ops
+        # Data parallelism, the rules of "what must agree with what" (README; cited as Rule N):
+        # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
+        # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
+        # initialisations are settled at the first step, unless a wrapper broadcast them.
+        self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)
+        self._dp.install()
+        self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
+        self._per_rank_keys: set[str] = set()
+        self._init: list[_Init] = []
+        self._init_due = False  # the next exchange settles the parameter initialisations
+        self._init_settled = False
+        self._broadcast_inits: dict[str, int] = {}  # wrapper label -> initialisations it covered
+        self._held: list[Finding] = []  # per-rank seeding seen before the program was known DP
+        # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
+        # rows and treat no collective as an alignment point, so they cost nothing here; a
+        # divergence that starts on one still shows at the next checked step (the states differ).
+        self._steps = 0
+        self._checking = True
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._hook: Any = register_optimizer_step_post_hook(self._on_step)
+        handle.identify(rank, world)
+        self._publish()
+
+    # -- inputs from the mode ----------------------------------------------------------------
+
+    def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
+        """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
+        if self._stopped or self._busy or not self._checking:
+            return
+        why = self._uncompared_reason(event, mesh)
+        if why:
+            # Not compared, but it still moves its generator: remembered so that a divergence
+            # it causes in a checked op later can be pinned on it.
+            with self._lock:
+                key = gen_key(event)
+                count = self._uncompared[key].count if key in self._uncompared else 0
+                self._uncompared[key] = Uncompared(count + 1, event.op, event.site, why)
+            return
+        with self._lock:
+            self._add(event, mesh, written)
+        if self._cfg.sync == "op":
+            self._exchange(Point.RANDOM_OP, event.op)
+        elif len(self._rows) >= self._cfg.every_ops:
+            self._exchange(Point.EVERY, "")
+
+    @staticmethod
+    def mesh_of(args: tuple, kwargs: dict) -> Any:
+        """The DeviceMesh a random op runs over (a DTensor op), or None."""
+        return op_mesh(args, kwargs)
+
+    def on_collective(self, func: Any) -> None:
+        self._dp.refresh()
+        if self._checking:
+            self._exchange(Point.COLLECTIVE, str(func))
+
+    def check(self) -> None:
+        self._settle_due()
+        self._exchange(Point.CHECK, "mode.check()")
+
+    def finish(self) -> None:
+        self._finished = True
+        self._settle_due()
+        self._exchange(Point.EXIT, "")
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._dp.uninstall()
+        if not (self._finished or self._stopped):
+            # Leaving early (an exception in the block): tell the ranks that will wait for us.
+            exc = sys.exc_info()[1]
+            why = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception seen"
+            self._board.post_left(self.rank, why[:300])
+        self._stopped = True
+        self._inflight = None  # not waited for: the others learn from the store, or time out
+        self._pending.clear()
+        self._rows.clear()
+        self._side.close()
+        self._publish()
+
+    def renders(self, finding: Finding) -> bool:
+        """One merged rendering: the lowest rank that is involved (or that waited) draws it."""
+        if finding.kind is FindingKind.RANK_MISSING:
+            waited = finding.sides[0].ranks if finding.sides else ()
+            return self.rank == min(waited or (self.rank,))
+        if not finding.ranks:
+            return True  # a local finding (a recompute mismatch): each rank draws its own
+        return self.rank == min(finding.ranks)
+
+    def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._dp.on_step()
+        self._dp.refresh()
+        self._settle_due()
+        if self._checking and self._cfg.sync == "step":
+            self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
+        self._steps += 1
+        self._checking = self._steps % self._cfg.every_steps == 0
+
+    # -- which rows are compared -----------------------------------------------------------------
+
+    def _uncompared_reason(self, event: RandomOpEvent, mesh: Any) -> str:
+        """Why this op is not compared across ranks ("" when it is)."""
+        if event.expect == "ignore":
+            return "under expect('ignore')"
+        if mesh is not None or current_expectation() is not None:
+            return ""  # declared: DTensor's contract (its mesh), or the user's expect block
+        wrapper = self._dp.current(event.phase is not Phase.FORWARD)
+        if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
+            self._dp.count(wrapper)
+            return f"in the data-parallel forward/backward of {wrapper.label}"
+        if gen_key(event) in self._per_rank_keys:  # Rule 3
+            return "on a per-rank stream"
+        return ""
+
+    def _add(self, event: RandomOpEvent, mesh: Any, written: Any) -> None:
+        exp = current_expectation()
+        spec = exp.group if exp is not None else None
+        members = self._groups.members(spec, mesh)
+        policy = event.expect if event.expect in POLICY_CODE else "same"
+        stream = text_hash(policy, ",".join(map(str, members))) if members else 0
+        declared = exp is not None or mesh is not None
+        code = POLICY_CODE["declared" if declared and policy == "same" else policy]
+        if members:
+            self._stream_members[stream] = members
+        gen = gen_key(event)
+        if gen not in self._seen_generators:
+            self._seen_generators.add(gen)
+            self._first_use.add(len(self._pending))
+        uncompared = self._uncompared.pop(gen, None)
+        if uncompared is not None:
+            self._uncompared_before[len(self._pending)] = uncompared
+        row = Row(
+            structure=text_hash(event.op, gen, *event.args),
+            stream=stream,
+            before=event.before if event.before is not None else 0,
+            after=event.after if event.after is not None else 0,
+            policy=code,
+            generator=text_hash(gen),
+        )
+        if (
+            stream
+            and not self._init_settled
+            and mesh is None
+            and isinstance(written, torch.nn.Parameter)
+            and len(self._init) < _MAX_INIT
+        ):
+            # A parameter's initialisation (Rule 4): its order is compared now, its state at the
+            # settle point, and not at all if a data-parallel wrapper broadcasts the parameter.
+            storage = written.untyped_storage().data_ptr()
+            self._init.append(_Init(row, event, storage, weakref.ref(written)))
+            row = row._replace(stream=0)
+        self._pending.append(event)
+        self._rows.append(row)
+
+    def _settle_due(self) -> None:
+        """The program reached its first step (or a data-parallel forward, check() or exit): the
+        next exchange settles the parameter initialisations and the held per-rank findings."""
+        if not self._init_settled:
+            self._init_due = True
+
+    def _on_wrapper(self, wrapper: Wrapper) -> None:
+        """A data-parallel wrapper is being built (before its own collectives) or first ran."""
+        if not wrapper.broadcasts:
+            return
+        with self._lock:
+            # A parameter that no longer exists (replaced by a tied one before the wrapper was
+            # built) holds nothing replicated once the module's live states are overwritten.
+            kept = [
+                i
+                for i in self._init
+                if i.storage not in wrapper.storages and i.parameter() is not None
+            ]
+            covered = len(self._init) - len(kept)
+            if covered:  # Rule 4: the broadcast overwrites whatever these drew
+                self._init = kept
+                self._broadcast_inits[wrapper.label] = (
+                    self._broadcast_inits.get(wrapper.label, 0) + covered
+                )
+
+    def notes(self) -> list[Note]:
+        """What the data-parallel rules left uncompared, for the report (``rngcheck show``)."""
+        out = [
+            Note(
+                kind="not_compared",
+                message=f"not compared: {count} random op(s) in the forward and backward of "
+                f"{label} (data-parallel: each rank draws for its own batch).",
+                count=count,
+            )
+            for label, count in self._dp.ops.items()
+        ]
+        out.extend(
+            Note(
+                kind="not_compared",
+                message=f"not compared: {count} parameter initialisation(s); {label} "
+                "broadcast the module's states from one rank when it was built.",
+                count=count,
+            )
+            for label, count in self._broadcast_inits.items()
+        )
+        if self._dp.wrappers:
+            programs = "; ".join(w.label for w in self._dp.wrappers)
+            out.extend(
+                Note(
+                    kind="not_compared",
+                    message=f"not compared: {why}, in a data-parallel program ({programs}): "
+                    "a per-rank stream (seed + rank, per-rank data generators).",
+                )
+                for why in self._per_rank.values()
+            )
+        return out
+
+    # -- exchange ----------------------------------------------------------------------------
+
+    def _exchange(self, point: Point, where: str) -> None:
+        if self._stopped or self._busy or self._side.group is None:
+            return
+        if not dist.is_initialized():  # the program tore torch.distributed down inside the block
+            log.info("rngcheck: torch.distributed was destroyed; cross-rank checks end here")
+            self._stopped = True
+            return
+        finding = None
+        with self._lock:
+            if self._stopped:
+                return
+            self._busy = True
+            try:
+                # Our own tensors and collectives must not reach other dispatch modes (or ours).
+                with torch._C._DisableTorchDispatch(), torch.no_grad():
+                    finding = self._exchange_now(point, where)
+            finally:
+                self._busy = False
+                self._publish()
+        if finding is not None:
+            self._handle.emit(finding)
+
+    def _exchange_now(self, point: Point, where: str) -> Finding | None:
+        # P2: the round posted at the previous exchange point first, before this one posts its
+        # own, so the collectives on the side group stay in the same order everywhere.
+        finding = self._settle(point, where)
+        if finding is not None or self._stopped:
+            return finding
+        init = held = None
+        if self._init_due:
+            # Rule 4's settle point; the per-rank seeding held back (Rule 3) is judged here too,
+            # after the initialisations (they come first in the program). P5: every rank gets
+            # here at the same round.
+            init, self._init = self._init, []
+            held, self._held = self._held, []
+            self._init_due, self._init_settled = False, True
+        self._round += 1
+        self.stats.exchanges += 1
+        init_rows = [i.row for i in init] if init is not None else None
+        vec, parts = fast_vector(self._round, point, self._rows, self._whole_stream, init_rows)
+        pipelined = self._cfg.sync == "step" and point in PIPELINED
+        sent = _Round(
+            number=self._round,
+            point=point,
+            where=where,
+            rows=self._rows,
+            events=self._pending,
+            first_use=self._first_use,
+            uncompared=self._uncompared_before,
+            vec=vec,
+            parts=parts,
+            stack=Stack.capture() if pipelined else None,
+            init=init,
+            held=held or None,
+        )
+        self._clear()  # the window now belongs to the round until it is settled
+        try:
+            sent.work = self._side.all_reduce_max(vec, fast=True, async_op=True)
+        except PeerLost as e:
+            self._stopped = True
+            return self._missing(sent, point, where, e.__cause__ or e)
+        self._inflight = sent
+        if pipelined:
+            return None
+        return self._settle(point, where)  # P3
+
+    def _settle(self, point: Point, where: str) -> Finding | None:
+        """Wait for the round in flight (bounded by the timeout) and judge it; ``point`` and
+        ``where``: where this rank is now (it waits there)."""
+        sent, self._inflight = self._inflight, None
+        if sent is None:
+            return None
+        try:
+            self._side.wait(sent.work)
+            mismatch, init_mismatch = disagreement(sent.vec)
+            if not mismatch and int(sent.vec[-1]) > 0:
+                # P4: the streams over parts of the group, then one flag for the whole group.
+                local = self._side.check_partial_streams(sent.parts, self._stream_members)
+                flag = torch.tensor([1 if local else 0], dtype=torch.int64)
+                self._side.all_reduce_max(flag, fast=True)
+                mismatch = bool(flag[0])
+            finding = None
+            if mismatch:
+                self.stats.mismatches += 1
+                finding = self._slow_path(sent, sent.rows, sent.events, init=False)
+            if finding is None and init_mismatch and not self._stopped:
+                self.stats.mismatches += 1
+                assert sent.init is not None
+                finding = self._slow_path(
+                    sent, [i.row for i in sent.init], [i.event for i in sent.init], init=True
+                )
+            if finding is None and sent.held and not self._dp.active:
+                finding = sent.held[0]  # seeded per rank, and the program is not data-parallel
+            if finding is not None:
+                self._stopped = True  # P6
+                self._clear()
+            return finding
+        except PeerLost as e:  # gloo: the group timeout, or a peer that went away
+            self._stopped = True
+            return self._missing(sent, point, where, e.__cause__ or e)
+
+    def _clear(self) -> None:
+        self._rows = []
+        self._pending = []
+        self._first_use = set()
+        self._uncompared_before = {}
+
+    # -- slow path: gather the windows, find the first divergent op, gather its detail -------
+
+    def _slow_path(
+        self, sent: _Round, rows: list[Row], events: list[RandomOpEvent], *, init: bool
+    ) -> Finding | None:
+        """Gather every rank's rows, find the first divergent op, gather its detail, and judge it.
+
+        A divergence explained by per-rank seeding is not a finding in a data-parallel program
+        (Rule 3): the generator becomes a per-rank stream, its rows leave the comparison, and the
+        rest of the round is judged again (every rank runs the same loop on the same gathered
+        data, P5). ``init``: ``rows`` are the parameter initialisations settled this round
+        (Rule 4).
+        """
+        windows, points = self._side.gather_rows(rows, sent.point)
+        if init:
+            points = dict.fromkeys(points, sent.point)
+        stack = sent.stack if sent.stack is not None else Stack.capture()
+        where = point_text(points[self.rank], sent.where, stack)
+        while True:
+            # Per-rank streams leave the comparison (Rule 3), but not parameter initialisations:
+            # a replicated parameter drawn from a per-rank stream is still wrong (Rule 4).
+            skip = () if init else self._per_rank
+            kept = {
+                r: [i for i, row in enumerate(w) if row.generator not in skip]
+                for r, w in windows.items()
+            }
+            view = {r: [windows[r][i] for i in kept[r]] for r in windows}
+            spot = localise(view, points)
+            if spot is None:  # no divergence left (or two streams shared a hashed slot)
+                return None
+            at = spot.index_for(self.rank, view[self.rank])
+            index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
+            event = events[index] if index >= 0 else None
+            mine = Detail(
+                event=event,
+                point=where,
+                seed_calls=self._seed_calls(event)
+                if event is not None and (init or index in sent.first_use)
+                else (),
+                uncompared=None if init else sent.uncompared.get(index),
+                wrappers=tuple(w.label for w in self._dp.wrappers),
+            )
+            details = {
+                r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
+            }
+            try:
+                finding = build_finding(spot, view, details, self._domain)
+            except Exception as e:  # noqa: BLE001 - never let a describing bug escape into training
+                log.exception("rngcheck could not describe a cross-rank divergence")
+                return Finding(
+                    kind=FindingKind.RANK_DIVERGENCE,
+                    message=(
+                        f"the ranks disagree at random op {spot.index} of exchange "
+                        f"#{sent.number} ({spot.kind}); rngcheck could not describe it "
+                        f"({type(e).__name__}: {e})"
+                    ),
+                    op=event.op if event is not None else "",
+                    differs=spot.kind,
+                    ranks=self._domain,
+                    stack=stack,
+                )
+            if init:
+                return init_finding(finding, details)
+            seeded = per_rank_seeding(spot, details)
+            if seeded is None:
+                return finding
+            # Rule 3: a per-rank stream. Its rows leave the comparison from here on; the finding
+            # is held until the settle point when the program is not known data-parallel yet.
+            first, why = seeded
+            key = gen_key(first)
+            self._per_rank[text_hash(key)] = why
+            self._per_rank_keys.add(key)
+            if not details[min(details)].wrappers:
+                if self._init_settled:
+                    return finding  # past the settle point and not data-parallel: a finding
+                self._held.append(finding)
+
+    def _seed_calls(self, event: RandomOpEvent) -> tuple[Any, ...]:
+        """Seeding calls since the mode started that reached this op's generator (its first op)."""
+        if event.out_of_band is not None or not event.generator.is_default:
+            return ()
+        calls = self._handle.seeding_calls(0, event.generator.device)
+        return tuple(c for c in calls if not c.by_torch)
+
+    def _missing(self, sent: _Round, point: Point, where: str, error: BaseException) -> Finding:
+        """A rank did not arrive at round ``sent`` in time: find out which through the store, and
+        say so. ``point`` and ``where``: where this rank waited for it."""
+        stack = Stack.capture()
+        here = point_text(point, where, stack)
+        # A pipelined round was sent at an earlier point and waited for here.
+        sent_at = point_text(sent.point, sent.where, sent.stack) if sent.stack is not None else here
+        arrived = self._board.arrivals(sent.number, self.rank, self._domain, min(5.0, self.timeout))
+        missing = tuple(r for r in self._domain if r not in arrived)
+        return missing_finding(
+            rank=self.rank,
+            domain=self._domain,
+            arrived=arrived,
+            left=self._board.left(missing or (self.rank,)),
+            number=sent.number,
+            here=here,
+            sent_at=sent_at,
+            timeout=self.timeout,
+            last=sent.events[-1] if sent.events else None,
+            stack=stack,
+            error=error,
+        )
+
+    def _publish(self) -> None:
+        self._handle.meta["rank_exchange"] = self.stats.to_dict()

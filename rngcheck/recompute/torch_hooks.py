@@ -1,0 +1,356 @@
+"""The one place that knows torch.utils.checkpoint's private names, per torch version, and the
+small shims that mark a region's two passes for the tracker.
+
+rngcheck sees a checkpointed region by wrapping the function torch calls for each region, looked
+up by name at call time inside torch (so a ``from torch.utils.checkpoint import checkpoint`` done
+before the mode started, and Hugging Face's ``functools.partial(checkpoint, ...)``, are covered):
+
+- ``use_reentrant=False``: the generator that drives one region. torch 2.14 moved it to
+  ``_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state, ...)``
+  (the old positional ``_checkpoint_without_reentrant_generator`` stays as a shim that calls it);
+  torch 2.9 to 2.13 call ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state,
+  context_fn, determinism_check, debug, early_stop, *args, **kwargs)``. Both are bound through
+  their own signature, so one wrapper serves both.
+- ``use_reentrant=True``: ``CheckpointFunction.apply(function, preserve_rng_state, *args)``.
+
+:data:`HOOKS` is chosen once, from the running torch's version (:func:`hooks_for`); a name it
+expects and does not find is a loud ``RNGCheckCoverageWarning``, never silence. A second net
+catches what a future torch might route around these names: :func:`checkpoint_frame_on_stack`
+tells whether torch's checkpoint code is running below a random op that no known region claimed
+(the mode turns that into the same warning and a report note).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..core.events import Phase
+from ..core.ops import OpKind, classify
+from .region import Region
+
+__all__ = [
+    "HOOKS",
+    "TORCH_VERSION",
+    "CheckpointHooks",
+    "TorchCheckpointPatches",
+    "bind_nonreentrant",
+    "checkpoint_frame_on_stack",
+    "hooks_for",
+    "two_passes",
+]
+
+COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+
+
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+TORCH_VERSION = _version(torch.__version__)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointHooks:
+    """The names rngcheck wraps in ``torch.utils.checkpoint`` for one range of torch versions."""
+
+    since: tuple[int, int]  # the first torch version these names apply to
+    nonreentrant: str  # drives one use_reentrant=False region (a generator function)
+    reentrant: str = "CheckpointFunction"  # the autograd.Function of use_reentrant=True
+
+
+# Newest first: the first entry whose ``since`` is at or below the running torch applies.
+_TABLE = (
+    CheckpointHooks(since=(2, 14), nonreentrant="_checkpoint_without_reentrant_generator_impl"),
+    CheckpointHooks(since=(2, 0), nonreentrant="_checkpoint_without_reentrant_generator"),
+)
+
+
+def hooks_for(version: tuple[int, int]) -> CheckpointHooks:
+    """The hook names for a torch version (the version test lives here and nowhere else)."""
+    for hooks in _TABLE:
+        if version >= hooks.since:
+            return hooks
+    return _TABLE[-1]
+
+
+HOOKS = hooks_for(TORCH_VERSION)
+
+
+@dataclass(frozen=True, slots=True)
+class NonReentrantCall:
+    """One call of the non-reentrant entry, with the parts rngcheck reads or replaces."""
+
+    fn: Callable[..., Any]
+    preserve_rng_state: bool
+    context_fn: Callable[[], Any]
+    tensor_args: tuple[Any, ...]
+    _bound: inspect.BoundArguments
+
+    def call(self, original: Callable[..., Any], fn: Any, context_fn: Any) -> Any:
+        """Call ``original`` with the same arguments but ``fn`` and ``context_fn`` replaced."""
+        arguments = self._bound.arguments
+        arguments["fn"] = fn
+        arguments["context_fn"] = context_fn
+        return original(*self._bound.args, **self._bound.kwargs)
+
+
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def bind_nonreentrant(original: Callable[..., Any], args: tuple, kwargs: dict) -> NonReentrantCall:
+    """Read a call of the non-reentrant entry through its own signature (either torch layout)."""
+    sig = _SIGNATURES.get(original)
+    if sig is None:
+        sig = _SIGNATURES[original] = inspect.signature(original)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    arguments = bound.arguments
+    call_args = arguments.get("args", ())
+    if isinstance(call_args, dict):  # defensive: a layout that names its tuple differently
+        call_args = ()
+    return NonReentrantCall(
+        fn=arguments["fn"],
+        preserve_rng_state=bool(arguments.get("preserve_rng_state", True)),
+        context_fn=arguments.get("context_fn", tuc.noop_context_fn),
+        tensor_args=tuple(call_args),
+        _bound=bound,
+    )
+
+
+def targets() -> list[tuple[Any, str]]:
+    """(owner, attribute) pairs to wrap for the non-reentrant entry: torch.utils.checkpoint's,
+    and the composable ``checkpoint(module)``'s copy of the name when that module is loaded
+    (importing it here would pull in torch.distributed for every user)."""
+    found: list[tuple[Any, str]] = [(tuc, HOOKS.nonreentrant)]
+    composable = sys.modules.get(COMPOSABLE)
+    if composable is not None and getattr(composable, HOOKS.nonreentrant, None) is getattr(
+        tuc, HOOKS.nonreentrant, None
+    ):
+        found.append((composable, HOOKS.nonreentrant))
+    return found
+
+
+def missing_names() -> list[str]:
+    """The hook names this torch should have and does not (an internals change)."""
+    return [
+        f"torch.utils.checkpoint.{name}"
+        for name in (HOOKS.nonreentrant, HOOKS.reentrant)
+        if not hasattr(tuc, name)
+    ]
+
+
+# Frames that mean "a checkpointed region is running": the forward (``checkpoint()`` or
+# ``_checkpoint_impl`` calls the user's function directly; ``CheckpointFunction.forward``) and the
+# recompute (the unpack hook and its ``recompute_fn``; ``CheckpointFunction.backward``).
+# Matched by file and function name, not by the names rngcheck wraps, so a torch that routes its
+# regions around those wraps is still noticed. ``checkpoint_sequential`` runs its last segment
+# unchecked from a closure named ``forward`` in the same file: that one is not a region.
+_TORCH_DIR = os.path.dirname(os.path.dirname(tuc.__file__))
+_CHECKPOINT_FILES = frozenset(
+    {
+        tuc.__file__,
+        os.path.join(_TORCH_DIR, "distributed", "_composable", "checkpoint_activation.py"),
+    }
+)
+_REGION_FUNCTIONS = frozenset({"checkpoint", "_checkpoint_impl", "unpack_hook", "recompute_fn"})
+_REGION_CODES = frozenset(
+    getattr(getattr(tuc.CheckpointFunction, name, None), "__code__", None)
+    for name in ("forward", "backward")
+) - {None}
+
+
+def checkpoint_frame_on_stack(skip: int = 1) -> bool:
+    """Whether a torch checkpoint region is running below the caller, by its frames (a walk of a
+    few microseconds, done only for random ops outside every region rngcheck knows)."""
+    frame: Any = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename in _CHECKPOINT_FILES and (
+            code.co_name in _REGION_FUNCTIONS or code in _REGION_CODES
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# -- marking the passes -------------------------------------------------------------------------
+
+
+class Tracker(Protocol):
+    """What the shims need of the recompute tracker."""
+
+    recorded: int
+
+    def new_region(
+        self, *, kind: str, preserve_rng_state: bool | None, args: tuple = (), name: str = ""
+    ) -> Region: ...
+
+    def phase(self, region: Region, phase: Phase) -> Any: ...
+
+    def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None: ...
+
+
+def two_passes(tracker: Tracker, region: Region, function: Callable[..., Any]) -> Any:
+    """``function`` wrapped so its first call is the region's forward and every later call a
+    recompute (reentrant checkpoints, torch_xla's, run their function exactly so)."""
+    calls = itertools.count()
+
+    def run(*inner: Any) -> Any:
+        phase = Phase.FORWARD if next(calls) == 0 else Phase.RECOMPUTE
+        with tracker.phase(region, phase):
+            return function(*inner)
+
+    return run
+
+
+class TorchCheckpointPatches:
+    """torch.utils.checkpoint's entry points wrapped for one tracker; :meth:`uninstall` puts every
+    original back (the composable checkpoint's copy too, even one torch imported meanwhile)."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self._tracker = tracker
+        self._saved: list[tuple[Any, str, Any]] = []
+        self.gaps: list[str] = []  # what this torch does not let rngcheck see (warned loudly)
+
+    def install(self) -> None:
+        missing = missing_names()
+        if missing:
+            self.gaps.append(
+                f"torch {torch.__version__} has no {', '.join(missing)}: rngcheck cannot see "
+                "these checkpoint regions begin, so their recomputes are not compared"
+            )
+        original = getattr(tuc, HOOKS.nonreentrant, None)
+        if original is not None:
+
+            def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
+                return self._nonreentrant(original, args, kwargs)
+
+            for owner, name in targets():
+                self._patch(owner, name, nonreentrant)
+        reentrant = getattr(tuc, HOOKS.reentrant, None)
+        if reentrant is not None:
+            self._patch(tuc, HOOKS.reentrant, _ReentrantShim(self._tracker, reentrant))
+
+    def uninstall(self) -> None:
+        saved, self._saved = self._saved, []
+        for owner, name, original in reversed(saved):
+            replacement = getattr(owner, name, None)
+            setattr(owner, name, original)
+            # torch imports the composable checkpoint lazily, from inside a checkpoint call: if
+            # that happened while we were installed, it copied our wrapper by name and would keep
+            # it (and this tracker) forever. Hand it the original too.
+            if owner is tuc:
+                copy = sys.modules.get(COMPOSABLE)
+                if copy is not None and getattr(copy, name, None) is replacement:
+                    setattr(copy, name, original)
+
+    def _patch(self, owner: Any, name: str, replacement: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def _nonreentrant(
+        self, original: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Iterator[None]:
+        tracker = self._tracker
+        call = bind_nonreentrant(original, args, kwargs)
+        region = tracker.new_region(
+            kind="non-reentrant",
+            preserve_rng_state=call.preserve_rng_state,
+            args=call.tensor_args,
+        )
+        fn = call.fn
+
+        def recompute_fn(*inner: Any, **kw: Any) -> Any:
+            with tracker.phase(region, Phase.RECOMPUTE):
+                return fn(*inner, **kw)
+
+        context_fn = call.context_fn
+        if context_fn is not tuc.noop_context_fn and not torch.compiler.is_compiling():
+            user_context_fn = context_fn
+
+            def context_fn() -> tuple[Any, Any]:
+                forward_ctx, recompute_ctx = user_context_fn()
+                return forward_ctx, _ObservedRecompute(recompute_ctx, tracker)
+
+        inner = call.call(original, recompute_fn, context_fn)
+        with tracker.phase(region, Phase.FORWARD):
+            yield from inner
+
+
+class _ReentrantShim:
+    """Stands in for ``CheckpointFunction`` so ``checkpoint(use_reentrant=True)`` is tracked."""
+
+    def __init__(self, tracker: Tracker, original: Any) -> None:
+        self._tracker = tracker
+        self._original = original
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._original, name)
+
+    def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        region = self._tracker.new_region(
+            kind="reentrant", preserve_rng_state=bool(preserve_rng_state), args=args
+        )
+        run = two_passes(self._tracker, region, function)
+        return self._original.apply(run, preserve_rng_state, *args)
+
+
+class _ObservedRecompute:
+    """A selective-checkpoint recompute context with an observer on top that sees cached ops."""
+
+    def __init__(self, inner: Any, tracker: Tracker) -> None:
+        self._inner = inner
+        self._observer = _CacheObserver(tracker)
+
+    def __enter__(self) -> Any:
+        result = self._inner.__enter__()
+        try:
+            self._observer.__enter__()
+        except BaseException:
+            self._inner.__exit__(None, None, None)
+            raise
+        return result
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            self._observer.__exit__(*exc)
+        except BaseException:
+            self._inner.__exit__(*exc)  # the inner context is left however the observer fails
+            raise
+        return self._inner.__exit__(*exc)
+
+
+class _CacheObserver(TorchDispatchMode):
+    """Notes random ops that a mode between it and rngcheck's mode answered without running.
+
+    Selective checkpointing serves saved ops from a cache above rngcheck's dispatch mode, where
+    they would not be seen; this observer sits on top of the recompute context and tells the
+    tracker about each random op that reached it but not rngcheck's mode."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if classify(func) is not OpKind.RANDOM:
+            return func(*args, **kwargs)
+        seen = self._tracker.recorded
+        out = func(*args, **kwargs)
+        if self._tracker.recorded == seen:
+            self._tracker.record_cached(func, args, kwargs)
+        return out

@@ -1,0 +1,239 @@
+"""The recompute check: the random ops of a checkpointed region's forward, compared op by op with
+its recompute.
+
+Regions are found without the user changing a line: ``torch_hooks.py`` wraps the functions torch
+calls for each checkpointed region (per torch version), torch_xla's checkpoint gets the same shim
+(``xla.py``), and custom checkpoint functions mark their passes (``marked.py``). Selective
+checkpointing's cached ops are noted by an observer on top of its recompute context.
+
+Each recompute op is compared with the forward's op at the same position: op, arguments,
+generator, state before, output digest. The first difference is one finding per region (a nested
+region replaying an op its outer region already reported is not reported again), with a likely
+cause worked out from what the two events and their out-of-band seeding calls show
+(``causes.py``). A non-reentrant recompute that stops early is a correct prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from ..core.events import Phase, RandomOpEvent
+from ..core.findings import Finding, FindingKind, Side
+from ..core.stacks import user_site
+from .causes import control_flow_cause, first_difference, likely_cause
+from .region import Region
+from .torch_hooks import TorchCheckpointPatches
+
+__all__ = ["RecomputeTracker"]
+
+# Past this many random ops in one region's forward we stop recording it and compare only the
+# recorded prefix: memory stays bounded even for a region that wraps a whole model with
+# per-element random ops.
+_MAX_REGION_OPS = 100_000
+_MAX_REPORTED = 4096
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.active: list[tuple[Region, Phase]] = []
+
+
+class RecomputeTracker:
+    """Keeps the active regions of each thread and compares recomputes with their forwards.
+
+    ``emit`` receives each finding; ``record_cached(func, args, kwargs)`` turns a random op that a
+    selective-checkpoint cache answered into an event (the mode builds events).
+    """
+
+    _installed: ClassVar[RecomputeTracker | None] = None  # the one whose hooks are in torch now
+
+    def __init__(
+        self,
+        emit: Callable[[Finding], None],
+        record_cached: Callable[[Any, tuple, dict], None] = lambda *_: None,
+    ) -> None:
+        self._emit = emit
+        self.record_cached = record_cached
+        self._local = _Local()
+        self._patches = TorchCheckpointPatches(self)
+        # The seq of each recompute op a finding was about. A reentrant outer recompute replays
+        # its inner checkpoint's forward; when the outer already reported the op that replay
+        # drew, the inner region comparing against that same op is the same bug, not a new one.
+        self._reported: set[int] = set()
+        self.recorded = 0  # random ops the mode intercepted (the SAC observer watches it)
+        # False once the mode has exited: a region whose forward ran inside the mode may
+        # recompute after it (backward outside the `with`); with no ops recorded any more, that
+        # recompute must not be compared, or it would look like it ran no random op at all.
+        self.live = False
+
+    @classmethod
+    def installed(cls) -> RecomputeTracker | None:
+        """The tracker whose hooks are in torch now (what a marked region reports to)."""
+        return cls._installed
+
+    @property
+    def coverage_gaps(self) -> list[str]:
+        """Why some checkpoint regions cannot be seen on this torch (the mode warns and notes)."""
+        return self._patches.gaps
+
+    def install(self) -> None:
+        self.live = True
+        self._patches.install()
+        RecomputeTracker._installed = self
+
+    def uninstall(self) -> None:
+        self.live = False
+        self._patches.uninstall()
+        if RecomputeTracker._installed is self:
+            RecomputeTracker._installed = None
+
+    # -- state queried on the hot path of random ops -------------------------------------------
+
+    def active(self) -> bool:
+        return bool(self._local.active)
+
+    def in_recompute(self) -> bool:
+        return any(phase is Phase.RECOMPUTE for _, phase in self._local.active)
+
+    def innermost(self) -> str:
+        # The title, with the user's line: cheap now that a region finds its site by a frame
+        # walk when it is made (summarising a captured stack here cost ~45 us per region).
+        active = self._local.active
+        return active[-1][0].title if active else ""
+
+    # -- regions ----------------------------------------------------------------------------------
+
+    def new_region(
+        self, *, kind: str, preserve_rng_state: bool | None, args: tuple = (), name: str = ""
+    ) -> Region:
+        devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
+        return Region(
+            kind=kind,
+            name=name,
+            site=user_site(),
+            preserve_rng_state=preserve_rng_state,
+            devices=tuple(devices),
+        )
+
+    @contextlib.contextmanager
+    def phase(self, region: Region, phase: Phase) -> Iterator[None]:
+        if not self.live:
+            yield
+            return
+        active = self._local.active
+        if phase is Phase.RECOMPUTE:
+            region.recompute = []
+        else:
+            region.forward = []
+        entry = (region, phase)
+        active.append(entry)
+        try:
+            yield
+        finally:
+            _remove(active, entry)
+        # Only a recompute that ran to its end must have run every random op of the forward. A
+        # non-reentrant early stop leaves by _StopRecomputationError, and is a correct prefix;
+        # any other exception is the user's (or a raised finding) and skips this check too.
+        if phase is Phase.RECOMPUTE:
+            self._check_complete(region)
+
+    def on_event(self, event: RandomOpEvent) -> None:
+        """Record a random op in every active region of this thread; compare recomputes."""
+        for region, phase in list(self._local.active):
+            if phase is Phase.FORWARD:
+                if len(region.forward) < _MAX_REGION_OPS:
+                    region.forward.append(event)
+                else:
+                    region.truncated = True
+            else:
+                region.recompute.append(event)
+                if not region.failed and event.expect != "ignore":
+                    self._compare(region, len(region.recompute) - 1)
+
+    # -- comparison ------------------------------------------------------------------------------
+
+    def _compare(self, region: Region, k: int) -> None:
+        r = region.recompute[k]
+        if k >= len(region.forward):
+            if region.truncated:
+                return
+            self._mismatch(
+                region,
+                k,
+                None,
+                r,
+                "op",
+                f"the recompute ran random op #{k} ({r.op}) but the forward ran only "
+                f"{len(region.forward)} random op(s) in this region",
+                control_flow_cause(),
+            )
+            return
+        f = region.forward[k]
+        differs, detail = first_difference(f, r)
+        if differs:
+            self._mismatch(region, k, f, r, differs, detail, likely_cause(region, k, f, r, differs))
+
+    def _check_complete(self, region: Region) -> None:
+        if region.failed or region.truncated or len(region.recompute) >= len(region.forward):
+            return
+        k = len(region.recompute)
+        f = region.forward[k]
+        self._mismatch(
+            region,
+            k,
+            f,
+            None,
+            "op",
+            f"the recompute ended after {k} random op(s); the forward ran {len(region.forward)} "
+            f"(the first one missing is {f.op})",
+            control_flow_cause(),
+        )
+
+    def _mismatch(
+        self,
+        region: Region,
+        k: int,
+        f: RandomOpEvent | None,
+        r: RandomOpEvent | None,
+        differs: str,
+        detail: str,
+        cause: str,
+    ) -> None:
+        region.failed = True
+        shown = r if r is not None else f
+        assert shown is not None
+        if f is not None and f.seq in self._reported:
+            return
+        if r is not None:
+            if len(self._reported) >= _MAX_REPORTED:  # replays happen in the same backward
+                self._reported.clear()
+            self._reported.add(r.seq)
+        finding = Finding(
+            kind=FindingKind.RECOMPUTE_MISMATCH,
+            message=f"random op #{k} of {region.title}: {detail}",
+            op=shown.op,
+            cause=cause,
+            differs=differs,
+            region=region.title,
+            stack=(f or shown).stack,
+            other_stack=r.stack if r is not None else None,
+            sides=(
+                Side(label="forward", event=f, note="" if f else "ran no random op here"),
+                Side(label="recompute", event=r, note="" if r else "ran no random op here"),
+            ),
+            seq=shown.seq,
+            context=tuple(region.forward[max(0, k - 4) : k + 2]),
+        )
+        self._emit(finding)
+
+
+def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
+    for i in range(len(active) - 1, -1, -1):
+        if active[i] is entry:
+            del active[i]
+            return
