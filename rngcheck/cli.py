@@ -195,14 +195,14 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             _print(console, f"note{on}: {note.message}", style="yellow")
         ops = sum(r.random_ops for r in run.reports.values())
         status = f"{len(run.findings)} finding(s)" if run.findings else "no findings"
-        ranks = format_ranks(run.reports)
+        which = format_ranks(run.reports)
         what = (
-            f"{len(run.reports)} rank report(s) (ranks {ranks} of {run.world_size})"
+            f"{len(run.reports)} rank report(s) (ranks {which} of {run.world_size})"
             if run.world_size > 1
             else "1 report"
         )
         _print(console, f"rngcheck: {what}, {ops} random op(s) checked, {status}")
-        ended = {}
+        ended: dict[str, list[int]] = {}
         for rank, r in sorted(run.reports.items()):
             how = str(r.meta.get("ended_by", ""))
             if how and how not in ("exit", "destroy_process_group()"):

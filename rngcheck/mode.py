@@ -304,6 +304,8 @@ class RNGConsistencyMode:
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
         r.ops_by_generator = dict(self._window.by_generator)
+        if self.recompute_tracker is not None:
+            r.meta["recompute"] = dict(self.recompute_tracker.stats)
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(

@@ -243,8 +243,8 @@ def _hash_cpu(h: Any, t: torch.Tensor) -> None:
     size = t.element_size()
     if t.is_contiguous() and numel > SAMPLE and size in _ITEM_FORMATS:
         # The common case of a large activation: read the sample in place, no tensor op at all.
-        view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr()))
-        h.update(view.cast("B").cast(_ITEM_FORMATS[size])[:: _step(numel)].tobytes())
+        view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr())).cast("B")
+        h.update(view.cast(_ITEM_FORMATS[size])[:: _step(numel)].tobytes())  # type: ignore[call-overload]
         return
     sample = _sample(t)  # alive until the end of this function, while its bytes are read
     nbytes = sample.numel() * size

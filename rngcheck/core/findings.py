@@ -46,7 +46,8 @@ def format_ranks(ranks: Iterable[int]) -> str:
         return "-"
     parts: list[str] = []
     start = prev = ordered[0]
-    for r in ordered[1:] + [None]:  # type: ignore[list-item]
+    following: list[int | None] = [*ordered[1:], None]
+    for r in following:
         if r is not None and r == prev + 1:
             prev = r
             continue

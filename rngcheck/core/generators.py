@@ -263,7 +263,7 @@ class GeneratorRegistry:
     def user(self, gen: torch.Generator, origin: Callable[[], str]) -> _Tracked:
         key = _cdata(gen)
         tracked = self._users.get(key) if key is not None else None
-        if tracked is not None:
+        if tracked is not None and key is not None:
             self._users.move_to_end(key)
             return tracked
         default = self._default_for(gen, key)

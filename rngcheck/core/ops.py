@@ -29,7 +29,7 @@ class OpKind(enum.IntEnum):
 _EXTRA_RANDOM: set[OpOverload] = set()
 
 
-class _KindTable(dict):  # type: ignore[type-arg]
+class _KindTable(dict[Any, OpKind]):
     """op -> OpKind, classifying an op the first time it is looked up."""
 
     def __missing__(self, func: Any) -> OpKind:

@@ -13,6 +13,7 @@ import os
 import sys
 import sysconfig
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -97,7 +98,7 @@ class Frame:
 def user_site(skip: int = 0) -> str:
     """``file.py:12`` of the caller's innermost user frame, found by walking the live frames
     (a couple of microseconds: no stack is captured or summarised)."""
-    frame = sys._getframe(skip + 1)
+    frame: FrameType | None = sys._getframe(skip + 1)
     while frame is not None:
         code = frame.f_code
         if not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS:

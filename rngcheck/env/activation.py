@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import signal
@@ -75,7 +76,8 @@ class Activation:
             self._previous_excepthook = sys.excepthook
             sys.excepthook = self._excepthook
         except BaseException:
-            self._exit(*sys.exc_info(), "rngcheck failed to start")
+            exc_type, exc, tb = sys.exc_info()
+            self._exit(exc_type, exc, tb, "rngcheck failed to start")
             raise
         os.environ[OWNER_VAR] = str(os.getpid())
         if self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
@@ -145,7 +147,9 @@ class Activation:
             for module in modules:
                 if getattr(module, original.__name__, None) is original:
                     setattr(module, original.__name__, fn)
-                    self._restore.append(lambda m=module, o=original: setattr(m, o.__name__, o))
+                    self._restore.append(
+                        functools.partial(setattr, module, original.__name__, original)
+                    )
 
     def bind(self) -> None:
         """Start the cross-rank checks once torch.distributed is up (on every rank, together)."""

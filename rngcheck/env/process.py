@@ -31,13 +31,22 @@ def _launched_as() -> tuple[str, str]:
     """(script basename, ``-m`` module) of this interpreter's command line."""
     argv = list(getattr(sys, "orig_argv", sys.argv))
     module = ""
-    for i, a in enumerate(argv[1:], start=1):
-        if a == "-m" and i + 1 < len(argv):
-            module = argv[i + 1]
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-m", "-c"):  # "-m pytest", and "-mpytest" below (the form pytester runs)
+            rest = argv[i + 1] if i + 1 < len(argv) else ""
+            module = rest if a == "-m" else f"-c {rest}"
             break
-        if a == "-c":
-            module = "-c " + (argv[i + 1] if i + 1 < len(argv) else "")
+        if a.startswith(("-m", "-c")):
+            module = a[2:] if a.startswith("-m") else f"-c {a[2:]}"
             break
+        if a in ("-W", "-X"):  # interpreter options that take a value
+            i += 2
+            continue
+        if not a.startswith("-"):
+            break  # the script: what follows is its own command line
+        i += 1
     return os.path.basename(sys.argv[0]) if sys.argv else "", module
 
 

@@ -175,7 +175,7 @@ class RankChecker:
             # it causes in a checked op later can be pinned on it.
             with self._lock:
                 key = gen_key(event)
-                count = self._uncompared[key].count if key in self._uncompared else 0
+                count = self._uncompared[key].ops if key in self._uncompared else 0
                 self._uncompared[key] = Uncompared(count + 1, event.op, event.site, why)
             return
         with self._lock:

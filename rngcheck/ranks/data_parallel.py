@@ -74,7 +74,7 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
 
 
 def _storages(module: torch.nn.Module, buffers: bool) -> frozenset[int]:
-    tensors = list(module.parameters())
+    tensors: list[torch.Tensor] = list(module.parameters())
     if buffers:
         tensors.extend(module.buffers())
     out = set()

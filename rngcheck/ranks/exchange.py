@@ -24,13 +24,14 @@ class PeerLost(Exception):
 
 def _max_options() -> Any:
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
     return opts
 
 
-def _wait(call: Callable[[], Any]) -> None:
+def _run(post: Callable[..., Any], *args: Any) -> None:
+    """Post a collective and wait for it; gloo's failure (a timeout, a peer gone) is PeerLost."""
     try:
-        call().wait()
+        post(*args).wait()
     except RuntimeError as e:
         raise PeerLost(e) from e
 
@@ -116,14 +117,14 @@ class SideGroup:
                 mine = torch.tensor([fold(v for r in rows for v in (r.structure, r.before))])
                 out = [torch.empty_like(mine) for _ in members]
                 self._count(mine, fast=True)
-                _wait(lambda pg=pg, out=out, mine=mine: pg.allgather([out], [mine]))
+                _run(pg.allgather, [out], [mine])
                 values = [int(o) for o in out]
                 bad = bad or len(set(values)) < len(values)
             else:
                 x = fold([stream, *(v for r in rows for v in (r.structure, r.before, r.after))])
                 t = torch.tensor([x, -x], dtype=torch.int64)
                 self._count(t, fast=True)
-                _wait(lambda pg=pg, t=t: pg.allreduce([t], _max_options()))
+                _run(pg.allreduce, [t], _max_options())
                 bad = bad or int(t[0]) != -int(t[1])
         return bad
 

@@ -4,7 +4,7 @@ position), so every rank builds the same finding and one of them draws it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -30,7 +30,7 @@ _DATA_DIR = "/torch/utils/data/"
 class Uncompared(NamedTuple):
     """Random ops a rank drew from a generator without comparing them, since its last checked op."""
 
-    count: int
+    ops: int
     op: str  # the last of them
     site: str
     why: str  # "under expect('ignore')", "in the data-parallel forward/backward of ...", ...
@@ -120,7 +120,7 @@ def build_finding(
 
 def _sides(
     groups: list[tuple[int, ...]],
-    events: dict[int, RandomOpEvent | None],
+    events: Mapping[int, RandomOpEvent | None],
     details: dict[int, Detail],
     labels: Sequence[str],
 ) -> tuple[Side, ...]:

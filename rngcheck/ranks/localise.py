@@ -19,7 +19,7 @@ class Spot:
     stream: int = 0
     policy: int = 0  # the stream's POLICY_CODE (state, collision)
 
-    def index_for(self, rank: int, window: list[tuple[int, ...]]) -> int:
+    def index_for(self, rank: int, window: list[Row]) -> int:
         """The position in ``window`` of this rank's op at the spot (past the end: none)."""
         if self.kind in ("flow", "points"):
             return self.index

@@ -55,7 +55,7 @@ class CheckpointRegion:
             return
         self._tracker = tracker
         self._region = tracker.new_region(
-            kind="custom", preserve_rng_state=self._restores_rng, name=self._name
+            kind="custom", preserve_rng_state=self._restores_rng, name=self._name or ""
         )
         with tracker.phase(self._region, Phase.FORWARD):
             yield

@@ -70,6 +70,8 @@ class RecomputeTracker:
         # recompute after it (backward outside the `with`); with no ops recorded any more, that
         # recompute must not be compared, or it would look like it ran no random op at all.
         self.live = False
+        # What was checked, for the report: regions entered, recomputes run, ops compared.
+        self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0}
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -112,6 +114,7 @@ class RecomputeTracker:
         self, *, kind: str, preserve_rng_state: bool | None, args: tuple = (), name: str = ""
     ) -> Region:
         devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
+        self.stats["regions"] += 1
         return Region(
             kind=kind,
             name=name,
@@ -128,6 +131,7 @@ class RecomputeTracker:
         active = self._local.active
         if phase is Phase.RECOMPUTE:
             region.recompute = []
+            self.stats["recomputes"] += 1
         else:
             region.forward = []
         entry = (region, phase)
@@ -158,6 +162,7 @@ class RecomputeTracker:
     # -- comparison ------------------------------------------------------------------------------
 
     def _compare(self, region: Region, k: int) -> None:
+        self.stats["compared_ops"] += 1
         r = region.recompute[k]
         if k >= len(region.forward):
             if region.truncated:

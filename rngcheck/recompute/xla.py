@@ -67,7 +67,7 @@ class XlaCheckpointPatch:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def install(self) -> XlaCheckpointPatch:
-        module = importlib.import_module(_CHECKPOINT_MODULE)  # cheap once torch_xla is imported
+        module: Any = importlib.import_module(_CHECKPOINT_MODULE)  # cheap once torch_xla is in
         original = module.CheckpointFunction
         if isinstance(original, _CheckpointFunctionShim):  # left behind by a crashed mode
             original = original._original
