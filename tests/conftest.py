@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def _seeded():
@@ -12,3 +14,10 @@ def _seeded():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert not _get_current_dispatch_mode_stack(), "a test left a dispatch mode on the stack"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start process groups are slow too: `-m "not slow"` is the quick local run."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -23,6 +23,7 @@ def _run(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_single_process_and_memory_tables(tmp_path):
     out = _run("--skip", "ranks", "--json", str(tmp_path / "r.json"))
     for label in (
@@ -43,6 +44,7 @@ def test_single_process_and_memory_tables(tmp_path):
     assert [s["events_kept"] for s in raw["memory"]][1:] == [16, 16, 16]
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_rank_timing_and_exchange_tables():
     out = _run("--skip", "single,memory")

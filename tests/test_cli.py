@@ -91,6 +91,7 @@ def test_show_renders_a_report_with_the_ops_around_the_finding(tmp_path: Path) -
     assert code == 1 and "random ops around it" not in out
 
 
+@pytest.mark.slow
 def test_show_merges_the_per_rank_files_of_one_run(tmp_path: Path) -> None:
     for rank in (0, 1):
         _save_report(
@@ -225,6 +226,7 @@ def test_diff_refuses_truncated_or_foreign_files(tmp_path: Path, capsys) -> None
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_plain_tensors_and_dtensor_draw_the_same_numbers(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -159,6 +159,7 @@ def test_a_bad_value_stops_the_run_before_user_code() -> None:
 # -- single process ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_clean_script_runs_checked_and_leaves_report_and_full_trace(tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = _run(
@@ -186,6 +187,7 @@ def test_clean_script_runs_checked_and_leaves_report_and_full_trace(tmp_path: Pa
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]  # written atomically
 
 
+@pytest.mark.slow
 def test_buggy_script_fails_at_the_first_finding_with_one_rendering(tmp_path: Path) -> None:
     r = _run(
         [PYTHON, str(SCRIPTS / "train_buggy.py")], RNGCHECK="yes", RNGCHECK_REPORT=str(tmp_path)
@@ -202,6 +204,7 @@ def test_buggy_script_fails_at_the_first_finding_with_one_rendering(tmp_path: Pa
     assert finding.context and finding.context[-1].op == "aten.rand.generator"
 
 
+@pytest.mark.slow
 def test_record_mode_runs_to_the_end_and_a_sigterm_still_saves_everything(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [PYTHON, str(SCRIPTS / "train_buggy.py")],
@@ -242,6 +245,7 @@ def test_record_mode_runs_to_the_end_and_a_sigterm_still_saves_everything(tmp_pa
 # -- torchrun ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torchrun_single_rank_binds_to_the_process_group(tmp_path: Path) -> None:
     r = _torchrun(1, "train_clean.py", RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -259,6 +263,7 @@ def _skip_until_ranks_land(r: subprocess.CompletedProcess[str]) -> None:
         pytest.skip("rngcheck.ranks does not check across ranks yet")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_record_renders_each_finding_once_at_exit(tmp_path: Path) -> None:
     record = {"RNGCHECK_ON_FINDING": "record", "RNGCHECK_REPORT": str(tmp_path)}
     r = _torchrun(2, "train_buggy.py", RNGCHECK="1", **record)
@@ -280,6 +285,7 @@ def test_torchrun_two_ranks_record_renders_each_finding_once_at_exit(tmp_path: P
     assert r.stderr.count(summary) == 1  # one summary line, from rank 0
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     from rngcheck.cli import main as cli_main
 
@@ -321,6 +327,7 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     assert divergence is not None and (divergence.index, divergence.differs) == (0, "state before")
 
 
+@pytest.mark.slow
 def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) -> None:
     # Forked workers inherit the running checker; left on, their augmentation ops would be
     # exchanged with the other ranks from the wrong process (sync="op": at once) and hang the job.
@@ -337,6 +344,7 @@ def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) ->
     assert [rep.ops_by_name for rep in reports] == [expected, expected]
 
 
+@pytest.mark.slow
 def test_a_crash_still_leaves_the_report_and_says_how_the_run_ended(tmp_path: Path) -> None:
     from rngcheck.cli import main as cli_main
 
@@ -350,6 +358,7 @@ def test_a_crash_still_leaves_the_report_and_says_how_the_run_ended(tmp_path: Pa
     assert cli_main(["show", str(tmp_path)]) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip_destroy", ["", "1"], ids=["at-destroy", "at-exit"])
 def test_a_divergence_after_the_last_step_still_fails_the_job(tmp_path: Path, skip_destroy: str):
     # Only the final exchange sees it: in destroy_process_group, or at interpreter exit.
@@ -369,6 +378,7 @@ def test_a_divergence_after_the_last_step_still_fails_the_job(tmp_path: Path, sk
     assert reports[0].meta["ended_by"] == ended
 
 
+@pytest.mark.slow
 def test_a_group_made_by_init_device_mesh_is_bound_too(tmp_path: Path) -> None:
     r = _torchrun(2, "mesh_buggy.py", RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path))
     _skip_until_ranks_land(r)
