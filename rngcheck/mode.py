@@ -37,10 +37,11 @@ from .core.ops import (
 )
 from .core.policy import current_expectation
 from .core.seeding import SeedCallLog
-from .core.stacks import Stack
+from .core.stacks import Stack, user_frame
 from .output.report import Report
 from .output.sink import FindingSink
 from .output.trace import TraceFeed, write_trace
+from .recompute.inferred import InferredRecomputes, driver_frame
 from .recompute.torch_hooks import checkpoint_frame_on_stack
 from .recompute.tracker import RecomputeTracker
 
@@ -144,6 +145,8 @@ class RNGConsistencyMode:
         self._seeds = SeedCallLog()
         self._interceptor: Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
+        self._inferred: InferredRecomputes | None = None
+        self._step_hook: Any = None
         self._ranks: Any = None
         self._trace: TraceFeed | None = None
         self._xla: Any = None  # torch_xla's checkpoint patch, once torch_xla is imported
@@ -179,6 +182,12 @@ class RNGConsistencyMode:
                 self.recompute_tracker.install()
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
+                self._inferred = InferredRecomputes(self._sink.emit, self.config.window)
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                self._step_hook = register_optimizer_step_post_hook(
+                    lambda *_: self._inferred.on_step() if self._inferred is not None else None
+                )
             self._load_xla()
             self._ranks = self._start_ranks()
             if self.config.trace:
@@ -212,6 +221,9 @@ class RNGConsistencyMode:
                 self._ranks.close()
             if self.recompute_tracker is not None:
                 self.recompute_tracker.uninstall()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             if self._xla is not None:
                 self._xla.uninstall()
                 self._xla = None
@@ -306,16 +318,19 @@ class RNGConsistencyMode:
         r.ops_by_generator = dict(self._window.by_generator)
         if self.recompute_tracker is not None:
             r.meta["recompute"] = dict(self.recompute_tracker.stats)
+        if self._inferred is not None and self._inferred.stats["regions"]:
+            r.meta["inferred_recompute"] = dict(self._inferred.stats)
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(
                 Note(
                     kind="backward_random_ops",
                     message=(
-                        f"{count} random op(s) ({op}) ran during backward outside any checkpoint "
-                        f"region rngcheck knows about, at {site}. Fresh randomness in backward is "
-                        "how rematerialised graphs redraw dropout (pytorch issue 190758); if this "
-                        "is a recompute, mark it with rngcheck.checkpoint_region."
+                        f"{count} random op(s) ({op}) ran during backward at {site}, outside any "
+                        "checkpoint region rngcheck knows and re-running no random op of the "
+                        "forward. Fresh randomness in backward is how rematerialised graphs "
+                        "redraw dropout (pytorch issue 190758); if this is a recompute, mark it "
+                        "with rngcheck.checkpoint_region."
                     ),
                     count=count,
                     stack=stack,
@@ -438,6 +453,13 @@ class RNGConsistencyMode:
         in_region = tracker is not None and tracker.active()
         if tracker is not None and not in_region and not self._unseen_checkpoint:
             self._check_coverage(func)
+        phase = self._phase()
+        inferred = self._inferred
+        digest = in_region or (
+            inferred is not None
+            and not in_region
+            and (phase is Phase.BACKWARD or (inferred.watching and inferred.watches(user_frame())))
+        )
         event = self._event(
             func,
             args,
@@ -445,8 +467,8 @@ class RNGConsistencyMode:
             tracked,
             before=before,
             after=after,
-            phase=self._phase(),
-            output=tensor_digest(out) if in_region else None,
+            phase=phase,
+            output=tensor_digest(out) if digest else None,
             out_of_band=oob,
             seed=tracked.initial_seed,
         )
@@ -491,8 +513,14 @@ class RNGConsistencyMode:
         self._window.add(event)
         if self._trace is not None:
             self._trace.add(event)
+        inferred = self._inferred
         if event.phase is Phase.BACKWARD:
-            self._note_backward(event)
+            # A hand-written checkpoint's recompute (compared there), or randomness that belongs
+            # in backward (a note).
+            if inferred is None or not inferred.on_backward(event, driver_frame()):
+                self._note_backward(event)
+        elif inferred is not None and event.phase is Phase.FORWARD and not event.region:
+            inferred.on_forward(event)
         if self.recompute_tracker is not None:
             self.recompute_tracker.on_event(event)
         if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators

@@ -8,7 +8,7 @@ start=$(date +%s)
 # shellcheck source=scripts/lane_venv.sh
 source scripts/lane_venv.sh
 VENV=.venv-torch-newest
-lane_venv "$VENV" torch==2.14.1
+LANE_REQUIREMENTS=requirements-models.txt lane_venv "$VENV" torch==2.14.1
 echo "torch lane: the whole suite on torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 status=0
 "$VENV/bin/python" -m pytest -q "$@" || status=1

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._traceback import CapturedTraceback
 
-__all__ = ["Frame", "Stack", "is_internal_file"]
+__all__ = ["Frame", "Stack", "is_internal_file", "user_frame", "user_site"]
 
 
 def _dir_of(module_file: str) -> str:
@@ -95,16 +95,22 @@ class Frame:
         )
 
 
-def user_site(skip: int = 0) -> str:
-    """``file.py:12`` of the caller's innermost user frame, found by walking the live frames
+def user_frame(skip: int = 0) -> tuple[str, int] | None:
+    """(filename, line) of the caller's innermost user frame, found by walking the live frames
     (a couple of microseconds: no stack is captured or summarised)."""
     frame: FrameType | None = sys._getframe(skip + 1)
     while frame is not None:
         code = frame.f_code
         if not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS:
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+            return code.co_filename, frame.f_lineno
         frame = frame.f_back
-    return "<unknown>"
+    return None
+
+
+def user_site(skip: int = 0) -> str:
+    """``file.py:12`` of the caller's innermost user frame (see :func:`user_frame`)."""
+    found = user_frame(skip + 1)
+    return f"{os.path.basename(found[0])}:{found[1]}" if found is not None else "<unknown>"
 
 
 class Stack:

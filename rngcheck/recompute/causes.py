@@ -168,6 +168,17 @@ def _reseeded(e: Evidence) -> str:
     return _reseed_cause(e.gen, e.reseeds, forward)
 
 
+def _unknown_checkpoint(e: Evidence) -> str:
+    driver = e.region.name.removeprefix("recompute by ")
+    return (
+        f"a checkpoint rngcheck does not know re-ran the forward's random ops in backward "
+        f"({driver}) without restoring {e.gen} to its forward state, so the recompute drew the "
+        f"next numbers instead of the same ones. Stash {e.gen}'s state in the forward "
+        "(torch.get_rng_state(), or get_state() of the generator) and restore it before "
+        "re-running the block, or use torch.utils.checkpoint."
+    )
+
+
 def _swapped_alike(e: Evidence) -> bool:
     """A state was swapped in at the same line in both passes: a named stream's fork()."""
     fwd = {_where(c) for c in e.swaps_forward}
@@ -220,6 +231,11 @@ CAUSES: tuple[Cause, ...] = (
         "named stream swapped in",
         _swapped_alike,
         lambda e: _stream_cause(e.gen, e.swaps_recompute[-1]),
+    ),
+    Cause(
+        "a checkpoint rngcheck does not know",
+        lambda e: e.region.kind == "inferred",
+        _unknown_checkpoint,
     ),
     Cause(
         "custom checkpoint marked restores_rng=False",

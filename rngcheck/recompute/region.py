@@ -6,8 +6,9 @@ import itertools
 from dataclasses import dataclass, field
 
 from ..core.events import RandomOpEvent
+from ..core.findings import Finding, FindingKind, Side
 
-__all__ = ["Region"]
+__all__ = ["Region", "mismatch_finding"]
 
 _numbers = itertools.count(1)
 
@@ -38,4 +39,35 @@ class Region:
     @property
     def custom(self) -> bool:
         """The checkpoint is not torch.utils.checkpoint: causes name its own restore."""
-        return self.kind in ("custom", "torch_xla")
+        return self.kind in ("custom", "torch_xla", "inferred")
+
+
+def mismatch_finding(
+    region: Region,
+    k: int,
+    f: RandomOpEvent | None,
+    r: RandomOpEvent | None,
+    differs: str,
+    detail: str,
+    cause: str,
+) -> Finding:
+    """The recompute_mismatch of ``region`` at its random op ``k``: the forward's event ``f`` and
+    the recompute's ``r`` (either None when that pass ran no random op there)."""
+    shown = r if r is not None else f
+    assert shown is not None
+    return Finding(
+        kind=FindingKind.RECOMPUTE_MISMATCH,
+        message=f"random op #{k} of {region.title}: {detail}",
+        op=shown.op,
+        cause=cause,
+        differs=differs,
+        region=region.title,
+        stack=(f or shown).stack,
+        other_stack=r.stack if r is not None else None,
+        sides=(
+            Side(label="forward", event=f, note="" if f else "ran no random op here"),
+            Side(label="recompute", event=r, note="" if r else "ran no random op here"),
+        ),
+        seq=shown.seq,
+        context=tuple(region.forward[max(0, k - 4) : k + 2]),
+    )

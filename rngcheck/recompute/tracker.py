@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 import torch
 
 from ..core.events import Phase, RandomOpEvent
-from ..core.findings import Finding, FindingKind, Side
+from ..core.findings import Finding
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
-from .region import Region
+from .region import Region, mismatch_finding
 from .torch_hooks import TorchCheckpointPatches
 
 __all__ = ["RecomputeTracker"]
@@ -210,31 +210,13 @@ class RecomputeTracker:
         cause: str,
     ) -> None:
         region.failed = True
-        shown = r if r is not None else f
-        assert shown is not None
         if f is not None and f.seq in self._reported:
             return
         if r is not None:
             if len(self._reported) >= _MAX_REPORTED:  # replays happen in the same backward
                 self._reported.clear()
             self._reported.add(r.seq)
-        finding = Finding(
-            kind=FindingKind.RECOMPUTE_MISMATCH,
-            message=f"random op #{k} of {region.title}: {detail}",
-            op=shown.op,
-            cause=cause,
-            differs=differs,
-            region=region.title,
-            stack=(f or shown).stack,
-            other_stack=r.stack if r is not None else None,
-            sides=(
-                Side(label="forward", event=f, note="" if f else "ran no random op here"),
-                Side(label="recompute", event=r, note="" if r else "ran no random op here"),
-            ),
-            seq=shown.seq,
-            context=tuple(region.forward[max(0, k - 4) : k + 2]),
-        )
-        self._emit(finding)
+        self._emit(mismatch_finding(region, k, f, r, differs, detail, cause))
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
