@@ -1,5 +1,5 @@
 """rngcheck's benchmark suite: step-time overhead, memory and the cross-rank exchange.
 
-``python -m benchmarks`` runs all of it and prints the markdown report the README's performance
-section shows; each module also runs on its own (see its docstring). ``--quick`` everywhere.
+``python -m benchmarks`` runs all of it and prints the markdown report that docs/performance.md
+shows; each module also runs on its own (see its docstring). ``--quick`` everywhere.
 """

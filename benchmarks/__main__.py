@@ -1,4 +1,4 @@
-"""The whole suite, as the markdown the README's performance section shows.
+"""The whole suite, as the markdown docs/performance.md shows.
 
 .venv/bin/python -m benchmarks                      # a few minutes on 2 cores
 .venv/bin/python -m benchmarks --quick              # seconds: the smoke test's configuration

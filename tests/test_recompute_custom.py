@@ -191,9 +191,9 @@ def test_a_region_may_recompute_in_each_of_several_backwards():
 
 
 def _readme_checkpoint_function(drop_line: str = "") -> type:
-    """The Megatron-style CheckpointFunction of the README's recompute section, executed as
+    """The Megatron-style CheckpointFunction of the docs' recompute page, executed as
     written (minus ``drop_line``), with a CPU tracker behind ``get_rng_tracker()``."""
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parent.parent / "docs" / "recompute.md"
     text = readme.read_text(encoding="utf-8")
     section = text[text.index("### Custom checkpoint functions") :]
     code = section[section.index("```python") + len("```python") : section.index("```\n\n")]

@@ -233,4 +233,3 @@ def test_fairscale_checkpoint_wrapper():
         at="block noise",
         cause=["CheckpointFunction.backward", "Generator #1"],
     )
-

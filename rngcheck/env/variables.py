@@ -1,5 +1,5 @@
 """The RNGCHECK_* variables: one table (name, valid values, default, what it does, its parser),
-read and validated at the edge into :class:`EnvSettings`. The README and the docs render this
+read and validated at the edge into :class:`EnvSettings`. The docs render this
 table; a bad value names the variable and its valid values."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Variable:
     """One environment variable: its name, what it takes, its default, and what it does."""
 
     name: str
-    values: str  # the valid values, as the README table and error messages show them
+    values: str  # the valid values, as the docs' table and error messages show them
     default: str
     help: str
     parse: Callable[[str, str], Any] = field(repr=False)

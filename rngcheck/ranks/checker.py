@@ -4,7 +4,7 @@
 Rows wait in the pending window until an exchange point: every random op (``sync="op"``) or
 optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
 torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
-compared follows the data-parallel rules (Rules 1 to 4, README "what must agree with what"):
+compared follows the data-parallel rules (Rules 1 to 4, docs/data-parallel.md):
 ops of a data-parallel forward/backward and of per-rank streams are not compared, parameter
 initialisations are settled at the first step unless a wrapper broadcast them.
 """
@@ -139,7 +139,7 @@ class RankChecker:
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
         self._uncompared: dict[str, Uncompared] = {}  # generator -> its uncompared ops since
         self._uncompared_before: dict[int, Uncompared] = {}  # pending index -> those ops
-        # Data parallelism, the rules of "what must agree with what" (README; cited as Rule N):
+        # Data parallelism, the rules of docs/data-parallel.md (cited as Rule N):
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
         # initialisations are settled at the first step, unless a wrapper broadcast them.
