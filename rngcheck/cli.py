@@ -24,7 +24,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console, Group
@@ -47,92 +46,6 @@ class _UsageError(Exception):
 # -- show ------------------------------------------------------------------------------------------
 
 
-def _report_files(paths: Sequence[str]) -> list[str]:
-    files: list[str] = []
-    for path in paths:
-        if os.path.isdir(path):
-            found = sorted(glob.glob(os.path.join(path, "*.json")))
-            if not found:
-                raise _UsageError(f"{path}: no *.json reports in this directory")
-            files.extend(found)
-        elif os.path.exists(path):
-            files.append(path)
-        else:
-            raise _UsageError(f"{path}: no such file or directory")
-    return files
-
-
-@dataclass
-class _MergedFinding:
-    finding: Any  # as the first of its ranks (the lowest, files being sorted) recorded it
-    rank: int = 0
-    seen_on: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _Run:
-    """The reports of one run (one file per rank), merged."""
-
-    run_id: str
-    reports: dict[int, Any] = field(default_factory=dict)  # rank -> Report
-    files: dict[int, str] = field(default_factory=dict)
-    findings: dict[tuple, _MergedFinding] = field(default_factory=dict)
-    notes: dict[tuple, tuple[Any, set[int]]] = field(default_factory=dict)
-
-    @property
-    def world_size(self) -> int:
-        return max(r.world_size for r in self.reports.values())
-
-    @property
-    def missing(self) -> list[int]:
-        return [r for r in range(self.world_size) if r not in self.reports]
-
-    def add(self, report: Any, path: str) -> None:
-        self.reports[report.rank] = report
-        self.files[report.rank] = path
-        for f in report.findings:
-            # Every rank records the same rank finding: merge them. Local findings (a recompute
-            # mismatch) merge when the ranks hit the same one at the same op and line, as SPMD
-            # ranks do (not by message: it numbers checkpoint regions per process).
-            key = (f.kind.value, f.op, f.seq, f.ranks, f.differs, f.site)
-            entry = self.findings.setdefault(key, _MergedFinding(f, report.rank))
-            entry.seen_on.add(report.rank)
-        for n in report.notes:
-            entry_n = self.notes.setdefault((n.kind, n.message), (n, set()))
-            entry_n[1].add(report.rank)
-
-
-def _load_runs(files: Sequence[str]) -> list[_Run]:
-    from .output.report import Report
-
-    loaded = []
-    for path in files:
-        try:
-            loaded.append((Report.load(path), path))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            hint = " (a trace? use `rngcheck diff`)" if _is_trace(path) else ""
-            raise _UsageError(f"{path}: not a readable rngcheck report{hint}: {e}") from None
-    runs: dict[str, _Run] = {}
-    for report, path in sorted(loaded, key=lambda rp: rp[0].rank):  # lowest rank speaks first
-        run_id = str(report.meta.get("run_id") or path)
-        run = runs.setdefault(run_id, _Run(run_id))
-        if report.rank in run.reports:
-            raise _UsageError(
-                f"{path} and {run.files[report.rank]} are both rank {report.rank} of run "
-                f"{run_id}: show one run's files at a time"
-            )
-        run.add(report, path)
-    return list(runs.values())
-
-
-def _is_trace(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return '"rngcheck-trace"' in f.readline()
-    except OSError:
-        return False
-
-
 def _print(console: Console, text: str, style: str | None = None) -> None:
     if console.is_terminal:
         console.print(text, style=style, markup=False, highlight=False)
@@ -140,7 +53,7 @@ def _print(console: Console, text: str, style: str | None = None) -> None:
         console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _context_table(console: Console, merged: _MergedFinding, several: bool) -> None:
+def _context_table(console: Console, merged: Any, several: bool) -> None:
     """The events around the finding, as the run saw them (the finding's op marked)."""
     events = merged.finding.context
     if not events:
@@ -178,8 +91,9 @@ def _context_table(console: Console, merged: _MergedFinding, several: bool) -> N
 def _show(paths: Sequence[str], console: Console, context: bool) -> int:
     from .core.findings import format_ranks
     from .output.render import print_finding
+    from .output.runs import load_runs, report_files
 
-    runs = _load_runs(_report_files(paths))
+    runs = load_runs(report_files(paths))
     code = EXIT_OK
     for run in runs:
         if len(runs) > 1:
@@ -373,7 +287,12 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
         if args.command == "show":
             return _show(args.paths, console, context=not args.no_context)
         return _diff(args.a, args.b, console, args.structure_only)
-    except _UsageError as e:
+    except Exception as e:  # noqa: BLE001 - narrowed below; the modules load only on failure
+        from .output.runs import ReportError
+        from .output.trace import TraceFormatError
+
+        if not isinstance(e, (_UsageError, ReportError, TraceFormatError, OSError)):
+            raise
         Console(file=sys.stderr).print(
             f"rngcheck: {e}", markup=False, highlight=False, soft_wrap=True
         )
