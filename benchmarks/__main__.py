@@ -8,12 +8,17 @@
 
 import sys
 
-from . import distributed, memory, overhead
+from . import compiled, distributed, memory, overhead
 from .common import cli
 
 sys.exit(
     cli(
         __doc__,
-        {"single": overhead.section, "ranks": distributed.section, "memory": memory.section},
+        {
+            "single": overhead.section,
+            "compiled": compiled.section,
+            "ranks": distributed.section,
+            "memory": memory.section,
+        },
     )
 )

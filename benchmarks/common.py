@@ -36,6 +36,7 @@ __all__ = [
     "Model",
     "Timings",
     "budget_table",
+    "ratio_table",
     "cli",
     "interleave",
     "machine",
@@ -282,6 +283,34 @@ def budget_table(items: list[Budget]) -> str:
         for b in items
     ]
     return markdown_table(["budget", *(f"{c} time" for c in clocks), "limit", "verdict"], rows)
+
+
+def ratio_table(
+    first: str,
+    labels: dict[str, str],
+    results: dict[int, Timings],
+    base: str,
+    plain: bool = False,
+) -> str:
+    """Rows: modes (name -> label); per width: median step time, ratio to ``base`` (wall and
+    CPU), and with ``plain`` the ratio to plain training."""
+    header = [first]
+    for d in results:
+        header += [f"d={d} ms", f"d={d} / {base}", f"d={d} / {base} (CPU)"]
+        header += [f"d={d} / plain"] if plain else []
+    rows = []
+    for name, label in labels.items():
+        row = [label]
+        for t in results.values():
+            row += [
+                f"{t.median(name) * 1e3:.2f}",
+                f"{t.ratio(name, base):.2f}x",
+                f"{t.ratio(name, base, 'cpu'):.2f}x",
+            ]
+            if plain:
+                row.append(f"{t.ratio(name, 'plain'):.2f}x" if "plain" in t.modes else "")
+        rows.append(row)
+    return markdown_table(header, rows)
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

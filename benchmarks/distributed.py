@@ -34,6 +34,7 @@ from .common import (
     interleave,
     make_step,
     markdown_table,
+    ratio_table,
 )
 
 __all__ = [
@@ -236,22 +237,10 @@ def payload_check(result: dict[str, Any]) -> str:
 
 def timing_table(result: dict[str, Any]) -> str:
     timing = _timings(result)
-    sizes = sorted(timing)
-    header = ["mode (2 ranks, DDP over gloo)"]
-    for d in sizes:
-        header += [f"d={d} ms", f"d={d} / noop", f"d={d} / noop (CPU)"]
-    rows = []
-    for name in timing[sizes[0]].modes:
-        row = [MODES[name].label]
-        for d in sizes:
-            t = timing[d]
-            row += [
-                f"{t.median(name) * 1e3:.2f}",
-                f"{t.ratio(name, 'noop'):.2f}x",
-                f"{t.ratio(name, 'noop', 'cpu'):.2f}x",
-            ]
-        rows.append(row)
-    return markdown_table(header, rows)
+    results = {d: timing[d] for d in sorted(timing)}
+    names = results[next(iter(results))].modes
+    labels = {n: MODES[n].label for n in names}
+    return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, "noop")
 
 
 def _time_cell(e: dict[str, Any], clock: str) -> str:

@@ -20,7 +20,7 @@ from .common import (
     cli,
     interleave,
     make_step,
-    markdown_table,
+    ratio_table,
 )
 
 __all__ = ["budgets", "main", "run", "section", "table", "to_json"]
@@ -42,23 +42,8 @@ def run(
 
 def table(results: dict[int, Timings], base: str = "noop") -> str:
     """Rows: modes; per width: median step time, ratio to ``base`` (wall and CPU), to plain."""
-    sizes = list(results)
-    header = ["mode"]
-    for d in sizes:
-        header += [f"d={d} ms", f"d={d} / {base}", f"d={d} / {base} (CPU)", f"d={d} / plain"]
-    rows = []
-    for name in results[sizes[0]].modes:
-        row = [MODES[name].label]
-        for d in sizes:
-            t = results[d]
-            row += [
-                f"{t.median(name) * 1e3:.2f}",
-                f"{t.ratio(name, base):.2f}x",
-                f"{t.ratio(name, base, 'cpu'):.2f}x",
-                f"{t.ratio(name, 'plain'):.2f}x" if "plain" in t.modes else "",
-            ]
-        rows.append(row)
-    return markdown_table(header, rows)
+    names = results[next(iter(results))].modes
+    return ratio_table("mode", {n: MODES[n].label for n in names}, results, base, plain=True)
 
 
 def budgets(results: dict[int, Timings]) -> list[Budget]:

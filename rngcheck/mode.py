@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config
 from .core.digest import tensor_digest
 from .core.dispatch import Interceptor
@@ -41,6 +42,7 @@ from .core.stacks import Stack, user_frame
 from .output.report import Report
 from .output.sink import FindingSink
 from .output.trace import TraceFeed, write_trace
+from .recompute.compiled import CompiledRecomputes
 from .recompute.inferred import InferredRecomputes, driver_frame
 from .recompute.torch_hooks import checkpoint_frame_on_stack
 from .recompute.tracker import RecomputeTracker
@@ -95,9 +97,10 @@ class RNGConsistencyMode:
     Known limitations:
         Random ops on threads that did not enter the mode are not intercepted (their effect on a
         shared generator shows as an out-of-band change). ``Generator.manual_seed``/``set_state``
-        on user generators are seen as changes without a call site. Ops inside compiled graphs
-        (torch.compile) are not seen individually. Seeding functions imported by name before the
-        mode started (``from torch import manual_seed``) are not attributed.
+        on user generators are seen as changes without a call site. A compiled graph's random
+        ops are checked together, as one draw per call of the graph (torch.compile). Seeding
+        functions imported by name before the mode started (``from torch import manual_seed``)
+        are not attributed.
     """
 
     def __init__(
@@ -146,6 +149,8 @@ class RNGConsistencyMode:
         self._interceptor: Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
+        self._compiled: CompiledRecomputes | None = None
+        self._graph_hook = CompiledGraphHook(self._on_compiled_graph)
         self._step_hook: Any = None
         self._ranks: Any = None
         self._trace: TraceFeed | None = None
@@ -183,6 +188,7 @@ class RNGConsistencyMode:
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
                 self._inferred = InferredRecomputes(self._sink.emit, self.config.window)
+                self._compiled = CompiledRecomputes(self._sink.emit)
                 from torch.optim.optimizer import register_optimizer_step_post_hook
 
                 self._step_hook = register_optimizer_step_post_hook(
@@ -192,6 +198,7 @@ class RNGConsistencyMode:
             self._ranks = self._start_ranks()
             if self.config.trace:
                 self._trace = TraceFeed(self.config.trace, self._trace_meta)
+            self._graph_hook.install()
             self._interceptor = Interceptor(self._on_special)
             self._interceptor.__enter__()
         except BaseException:
@@ -217,6 +224,7 @@ class RNGConsistencyMode:
             if self._interceptor is not None:
                 self._interceptor.__exit__(None, None, None)
                 self._interceptor = None
+            self._graph_hook.uninstall()
             if self._ranks is not None:
                 self._ranks.close()
             if self.recompute_tracker is not None:
@@ -320,6 +328,8 @@ class RNGConsistencyMode:
             r.meta["recompute"] = dict(self.recompute_tracker.stats)
         if self._inferred is not None and self._inferred.stats["regions"]:
             r.meta["inferred_recompute"] = dict(self._inferred.stats)
+        if self._compiled is not None and self._compiled.stats["forward_draws"]:
+            r.meta["compiled"] = dict(self._compiled.stats)
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(
@@ -406,16 +416,21 @@ class RNGConsistencyMode:
         return tracked
 
     def _event(
-        self, func: Any, args: tuple, kwargs: dict, tracked: Any, **fields: Any
+        self,
+        op: str,
+        summary: tuple[str, ...],
+        tracked: Any,
+        stack: Stack | None = None,
+        **fields: Any,
     ) -> RandomOpEvent:
         tracker = self.recompute_tracker
         return RandomOpEvent(
             seq=self._window.total,
-            op=op_name(func),
+            op=op,
             generator=tracked.ident,
             device=tracked.ident.device,
-            args=summarize_args(func, args, kwargs),
-            stack=Stack.capture(),
+            args=summary,
+            stack=stack if stack is not None else Stack.capture(),
             expect=self._expectation(),
             region=tracker.innermost() if tracker is not None else "",
             **fields,
@@ -431,14 +446,8 @@ class RNGConsistencyMode:
         tracked = self._tracked(args, kwargs, device)
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
-        before = tracked.read()
-        oob = None
-        if before is not None and tracked.last_after is not None and before != tracked.last_after:
-            oob = self._out_of_band(tracked)
-        seed_mark = self._seeds.counter
-
+        before, oob, mark = self._before_draw(tracked)
         out = func(*args, **kwargs)
-
         after = tracked.read()
         if after is not None and after == before:
             # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a random-tagged
@@ -446,48 +455,119 @@ class RNGConsistencyMode:
             # "miss" it): not a draw of the program. The generator's last state stays as it was,
             # so a change before this op is still seen at the next one that draws.
             return out
+        call = compiled_call()
+        if call is not None:
+            # A compiled graph's draw (its first call, before the graph hook was in place): from
+            # now on its calls run with the mode set aside (see _on_compiled_graph).
+            self._graph_hook.install()
+            op, summary = f"compiled_graph.{call.kind}", tuple[str, ...]()
+        else:
+            op, summary = op_name(func), summarize_args(func, args, kwargs)
+            if tracker is not None and not tracker.active() and not self._unseen_checkpoint:
+                self._check_coverage(op)
+        mesh = written = None
+        if self._ranks is not None:
+            # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
+            # group; an in-place op's target tells a parameter's initialisation (Rule 4).
+            mesh = self._ranks.mesh_of(args, kwargs)
+            written = args[0] if args and writes_first_argument(func) else None
+        self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written)
+        return out
+
+    def _before_draw(self, tracked: Any) -> tuple[int | None, OutOfBandChange | None, int]:
+        """The generator's state before a draw, how it changed since its last draw, if it did,
+        and the seeding-call counter now."""
+        before = tracked.read()
+        oob = None
+        if before is not None and tracked.last_after is not None and before != tracked.last_after:
+            oob = self._out_of_band(tracked)
+        return before, oob, self._seeds.counter
+
+    def _drawn(
+        self,
+        op: str,
+        summary: tuple[str, ...],
+        tracked: Any,
+        before: int | None,
+        after: int | None,
+        oob: OutOfBandChange | None,
+        seed_mark: int,
+        out: Any,
+        call: CompiledCall | None,
+        mesh: Any = None,
+        written: Any = None,
+    ) -> None:
+        """A draw happened: note the generator's new state, build the event, and hand it on."""
         tracked.last_after = after
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):
             tracked.initial_seed = tracked.handle.initial_seed()
+        tracker = self.recompute_tracker
         in_region = tracker is not None and tracker.active()
-        if tracker is not None and not in_region and not self._unseen_checkpoint:
-            self._check_coverage(func)
         phase = self._phase()
+        stack = None
+        if call is not None and call.sources:
+            # The user's line of the graph's random op (its FX stack trace), not the generated
+            # code's: the stack up to the compiled function's call, then that line.
+            stack = Stack.capture(innermost=call.sources[0])
         inferred = self._inferred
-        digest = in_region or (
-            inferred is not None
-            and not in_region
-            and (phase is Phase.BACKWARD or (inferred.watching and inferred.watches(user_frame())))
+        # A compiled graph's draw has no output of its own (its seeds, or the graph's outputs
+        # with saved activations): its generator's states are what is compared.
+        digest = call is None and (
+            in_region
+            or (
+                inferred is not None
+                and (
+                    phase is Phase.BACKWARD
+                    or (inferred.watching and inferred.watches(user_frame()))
+                )
+            )
         )
         event = self._event(
-            func,
-            args,
-            kwargs,
+            op,
+            summary,
             tracked,
+            stack=stack,
             before=before,
             after=after,
             phase=phase,
             output=tensor_digest(out) if digest else None,
             out_of_band=oob,
             seed=tracked.initial_seed,
+            compiled=call.label if call is not None else "",
         )
-        ranks = self._ranks
-        if ranks is None:
-            self._record(event)
-        else:
-            # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
-            # group; an in-place op's target tells a parameter's initialisation (Rule 4).
-            written = args[0] if args and writes_first_argument(func) else None
-            self._record(event, ranks.mesh_of(args, kwargs), written)
+        self._record(event, mesh, written, call)
+
+    def _on_compiled_graph(self, graph: Any, run: Callable[[], Any]) -> Any:
+        """A call of an inductor graph: it runs with this mode set aside (its kernels dispatched
+        from compiled code cost what they cost without the checker), and what it drew is read as
+        the generators' states before and after the call, like one random op."""
+        interceptor = self._interceptor
+        if interceptor is None or os.getpid() != self._pid:
+            return run()
+        call = compiled_call(graph=graph) or CompiledCall(kind="forward", function=None, sources=())
+        devices = {"cpu", *(getattr(graph, "device_types", ()) or ())}
+        tracked = [
+            t for t in (self._generators.default(torch.device(d)) for d in sorted(devices)) if t
+        ]
+        befores = [self._before_draw(t) for t in tracked]
+        with interceptor.set_aside() as aside:
+            out = run()
+        if not aside:  # another mode above (AOT's first-call analyser): ops came through one by one
+            return out
+        for t, (before, oob, mark) in zip(tracked, befores, strict=True):
+            after = t.read()
+            if after is not None and after != before:
+                op = f"compiled_graph.{call.kind}"
+                self._drawn(op, (), t, before, after, oob, mark, out, call)
         return out
 
-    def _check_coverage(self, func: Any) -> None:
+    def _check_coverage(self, op: str) -> None:
         """A random op outside every region rngcheck knows: is a torch checkpoint running it?"""
         if checkpoint_frame_on_stack():
             self._unseen_checkpoint = True
             self._coverage_gap(
-                f"a torch.utils.checkpoint region ran random ops ({op_name(func)}) that rngcheck "
+                f"a torch.utils.checkpoint region ran random ops ({op}) that rngcheck "
                 f"did not see begin, on torch {torch.__version__}: either the region started "
                 "before the mode was entered, or this torch runs checkpoint through code "
                 "rngcheck does not hook. Recomputes of such regions are not compared"
@@ -498,9 +578,8 @@ class RNGConsistencyMode:
         tracked = self._tracked(args, kwargs, op_device(args, kwargs))
         if tracked is not None:
             event = self._event(
-                func,
-                args,
-                kwargs,
+                op_name(func),
+                summarize_args(func, args, kwargs),
                 tracked,
                 before=None,
                 after=None,
@@ -509,18 +588,30 @@ class RNGConsistencyMode:
             )
             self._record(event)
 
-    def _record(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
+    def _record(
+        self,
+        event: RandomOpEvent,
+        mesh: Any = None,
+        written: Any = None,
+        call: CompiledCall | None = None,
+    ) -> None:
         self._window.add(event)
         if self._trace is not None:
             self._trace.add(event)
-        inferred = self._inferred
+        inferred, compiled = self._inferred, self._compiled
         if event.phase is Phase.BACKWARD:
+            if call is not None and call.kind == "backward":
+                if compiled is not None:  # a compiled backward's draw: a recompute of the graph's
+                    compiled.on_backward(event, call)
             # A hand-written checkpoint's recompute (compared there), or randomness that belongs
             # in backward (a note).
-            if inferred is None or not inferred.on_backward(event, driver_frame()):
+            elif inferred is None or not inferred.on_backward(event, driver_frame()):
                 self._note_backward(event)
-        elif inferred is not None and event.phase is Phase.FORWARD and not event.region:
-            inferred.on_forward(event)
+        elif event.phase is Phase.FORWARD and not event.region:
+            if call is not None and compiled is not None:
+                compiled.on_forward(event, call)
+            if inferred is not None:
+                inferred.on_forward(event)
         if self.recompute_tracker is not None:
             self.recompute_tracker.on_event(event)
         if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators

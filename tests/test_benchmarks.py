@@ -33,8 +33,11 @@ def test_single_process_and_memory_tables(tmp_path):
         'rngcheck, sync="op"',
         "DebugMode + log_tensor_hashes()",
         "checkpoint(debug=True)",
+        "compiled step",
+        "compiled step under rngcheck, defaults",
     ):
         assert f"| {label} |" in out
+    assert "compiled step under rngcheck / compiled step" in out
     assert "rngcheck defaults / no-op mode" in out
     assert "| random ops seen | events kept |" in out
 

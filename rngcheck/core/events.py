@@ -114,6 +114,7 @@ class RandomOpEvent:
     cached: bool = False  # served from a selective-checkpoint cache: the op did not run
     region: str = ""  # innermost checkpoint region, if any
     seed: int | None = None  # the generator's initial_seed() at the op (None: not a Generator)
+    compiled: str = ""  # "compiled forward" / "compiled backward": drawn by a compiled graph
 
     @property
     def output_digest(self) -> int | None:
@@ -139,6 +140,7 @@ class RandomOpEvent:
             "cached": self.cached,
             "region": self.region,
             "seed": self.seed,
+            "compiled": self.compiled,
             "stack": self.stack.to_list(),
         }
 
@@ -160,6 +162,7 @@ class RandomOpEvent:
             cached=bool(data.get("cached", False)),
             region=data.get("region", ""),
             seed=data.get("seed"),
+            compiled=data.get("compiled", ""),
             stack=Stack.from_list(data.get("stack", [])),
         )
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket
 
 __all__ = ["KINDS", "OpKind", "classify", "op_name", "register_random_op", "summarize_args"]
 
@@ -78,9 +78,16 @@ def classify(func: Any) -> OpKind:
     return KINDS[func]
 
 
+# Higher-order operators that run a random op and save or restore its generator's state: what
+# compiled graphs run for random ops that autograd recomputes (functionalised RNG).
+_RANDOM_HOPS = ("run_and_save_rng_state", "run_with_rng_state")
+
+
 def _classify(func: Any) -> OpKind:
     """Called on the first sight of every op, so it may be slowish."""
     if func in _EXTRA_RANDOM or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return OpKind.RANDOM
+    if isinstance(func, HigherOrderOperator) and func.name() in _RANDOM_HOPS:
         return OpKind.RANDOM
     if _is_collective(func):
         return OpKind.COLLECTIVE
@@ -103,7 +110,7 @@ def writes_first_argument(func: Any) -> bool:
 
 def op_name(func: Any) -> str:
     """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them."""
-    return str(func)
+    return func.name() if isinstance(func, HigherOrderOperator) else str(func)
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
@@ -187,7 +194,10 @@ def _tensors(values: Iterable[Any]) -> Iterable[torch.Tensor]:
 
 
 def op_device(args: tuple, kwargs: dict) -> torch.device:
-    """The device an op runs on: its first tensor's, else a factory op's ``device=``, else CPU."""
+    """The device an op runs on: its first tensor's, else a factory op's ``device=``, else CPU.
+    (``run_with_rng_state(state, op, *args)``: the state is a CPU tensor; its op's args decide.)"""
+    if len(args) > 1 and isinstance(args[1], (OpOverload, HigherOrderOperator)):
+        args = args[2:]
     for t in _tensors(args):
         return t.device
     for t in _tensors(kwargs.values()):

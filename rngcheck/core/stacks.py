@@ -35,6 +35,7 @@ _INTERNAL_PREFIXES: tuple[str, ...] = tuple(
 )
 # Frames from the test runner and plugin machinery are not the user's line either.
 _INTERNAL_PARTS = (
+    f"{os.sep}torchinductor_",  # inductor's generated code (its cache directory)
     f"{os.sep}_pytest{os.sep}",
     f"{os.sep}pytest{os.sep}",
     f"{os.sep}pluggy{os.sep}",
@@ -119,18 +120,26 @@ class Stack:
     Built from a captured traceback (summarised lazily, once) or from frames (a loaded report).
     """
 
-    __slots__ = ("_tb", "_frames")
+    __slots__ = ("_tb", "_frames", "_innermost")
 
-    def __init__(self, tb: CapturedTraceback | None = None, frames: tuple[Frame, ...] = ()):
+    def __init__(
+        self,
+        tb: CapturedTraceback | None = None,
+        frames: tuple[Frame, ...] = (),
+        innermost: Frame | None = None,
+    ):
         self._tb = tb
         self._frames: tuple[Frame, ...] | None = None if tb is not None else tuple(frames)
+        self._innermost = innermost  # added below the captured frames when they are summarised
 
     @classmethod
-    def capture(cls) -> Stack:
+    def capture(cls, innermost: Frame | None = None) -> Stack:
+        """The caller's stack (summarised only when read). ``innermost``: a frame to put below it
+        (a compiled graph's source line, which no Python frame holds)."""
         # The whole stack, always: rngcheck's and torch's frames are marked internal and
         # filtered when read. Skipping a counted number of frames would cut into the user's
         # frames on torch versions with fewer wrapper frames between them and the mode.
-        return cls(CapturedTraceback.extract(skip=1))
+        return cls(CapturedTraceback.extract(skip=1), innermost=innermost)
 
     @classmethod
     def empty(cls) -> Stack:
@@ -151,6 +160,8 @@ class Stack:
                 )
                 for fs in summary
             )
+            if self._innermost is not None:
+                self._frames = (*self._frames, self._innermost)
         return self._frames
 
     @property

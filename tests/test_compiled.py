@@ -1,0 +1,246 @@
+"""torch.compile under rngcheck: compiled code stays compiled (bitwise the same results, no
+recompilation), its random draws are checked (inductor's seed draws on the CPU), a compiled
+backward that redraws a recomputed random op is found (pytorch issue 190758), and checkpoint and
+compile nest either way. Real compilation with the inductor backend on the CPU."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from _recompute_util import marked_line, run
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import rngcheck
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),  # inductor's
+    # Each test compiles its own graph afresh: inductor's graph cache would hand a graph the
+    # source lines of an identical graph compiled by another test.
+    pytest.mark.usefixtures("_no_graph_cache"),
+]
+
+_HERE = __file__
+
+
+@pytest.fixture
+def _no_graph_cache():
+    with inductor_config.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.3).sum()  # <- compiled dropout
+
+
+def _steps(fn, steps: int = 2) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Seeded steps of ``fn``: its outputs and the input gradients."""
+    outs, grads = [], []
+    for i in range(steps):
+        torch.manual_seed(i)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i), requires_grad=True)
+        y = fn(x)
+        y.backward()
+        outs.append(y.detach())
+        grads.append(x.grad)
+    return outs, grads
+
+
+def test_compiled_code_stays_compiled_and_gives_the_same_bits():
+    net = Net()
+    compiled = torch.compile(net)
+    plain = _steps(compiled)
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        checked = _steps(compiled)
+    for a, b in zip(plain[0] + plain[1], checked[0] + checked[1], strict=True):
+        assert torch.equal(a, b)
+    # Inductor's random numbers are not eager's: a fallback to eager would show.
+    eager = _steps(net)
+    assert not torch.equal(eager[0][0], checked[0][0])
+    assert mode.report.ok
+    assert mode.report.meta["compiled"] == {"forward_draws": 2, "backward_draws": 0}
+    file, line = marked_line("compiled dropout")
+    draws = [e for e in mode.events if e.compiled]
+    assert [e.compiled for e in draws] == ["compiled forward"] * 2
+    assert all(e.site == f"{os.path.basename(file)}:{line}" for e in draws), [e.site for e in draws]
+
+
+def test_entering_the_mode_does_not_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(Net(), backend=counter)
+    _steps(compiled, 1)
+    with rngcheck.RNGConsistencyMode(on_finding="record"):
+        _steps(compiled, 2)
+    assert counter.frame_count == 1
+
+
+def test_a_compiled_backward_that_redraws_dropout_is_found():
+    """pytorch issue 190758: with a memory budget below 1 the partitioner recomputes the dropout
+    in the compiled backward, which draws new seeds: the gradients belong to another mask."""
+    compiled = torch.compile(Net())
+    with functorch_config.patch(activation_memory_budget=0.0):
+        report = run(lambda: _steps(compiled, 2))
+    assert len(report.findings) == 1, [f.message for f in report.findings]
+    f = report.findings[0]
+    assert f.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH and f.differs == "state"
+    assert "compiled backward" in f.region
+    assert "activation_memory_budget is 0" in f.cause and "pytorch issue 190758" in f.cause
+    file, line = marked_line("compiled dropout")
+    site = f"{os.path.basename(file)}:{line}"
+    assert [s.event.site for s in f.sides] == [site, site]
+    assert [s.event.compiled for s in f.sides] == ["compiled forward", "compiled backward"]
+
+
+def test_checkpoint_inside_compiled_code_is_quiet():
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        return F.dropout(lin(x), 0.3)
+
+    compiled = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False).sum())
+    report = run(lambda: _steps(compiled, 2))
+    assert report.ok, [f.message for f in report.findings]
+    assert report.meta["compiled"]["forward_draws"] == 2
+    assert not report.notes
+
+
+@pytest.mark.parametrize("preserve", [True, False])
+def test_compiled_code_inside_checkpoint(preserve):
+    compiled = torch.compile(Net())
+
+    def step():
+        x = torch.randn(4, 16, requires_grad=True)
+        checkpoint(compiled, x, use_reentrant=False, preserve_rng_state=preserve).backward()
+
+    report = run(step)
+    if preserve:
+        assert report.ok and report.meta["recompute"]["compared_ops"] == 1
+        return
+    (f,) = report.findings
+    assert f.differs == "state" and "preserve_rng_state=False" in f.cause
+    file, line = marked_line("compiled dropout")
+    assert f.sides[1].event.site == f"{os.path.basename(file)}:{line}"
+
+
+def test_graph_breaks_and_disabled_regions_run_eagerly_and_are_checked_op_by_op():
+    gen = torch.Generator().manual_seed(0)
+
+    @torch.compiler.disable
+    def noise(h):
+        return h * (torch.rand(h.shape, generator=gen) > 0.5)  # <- eager noise
+
+    lin = nn.Linear(16, 16)
+    compiled = torch.compile(lambda x: noise(F.relu(lin(x))).sum())
+
+    def step():
+        x = torch.randn(4, 16, requires_grad=True)
+        checkpoint(compiled, x, use_reentrant=False).backward()
+
+    (f,) = run(step).findings
+    file, line = marked_line("eager noise")
+    assert f.op == "aten.rand.generator" and f.site == f"{os.path.basename(file)}:{line}"
+    assert "was passed as generator=" in f.cause
+
+
+# -- two ranks -------------------------------------------------------------------------------------
+
+
+def _compiled_training(rank: int, seed: int) -> dict[str, Any]:
+    import rich.console
+    import torch.distributed as dist
+
+    with inductor_config.patch(fx_graph_cache=False):
+        torch.manual_seed(0)
+        net = Net()
+        compiled = torch.compile(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        console = rich.console.Console(file=io.StringIO())
+        with rngcheck.RNGConsistencyMode(on_finding="record", timeout=60, console=console) as mode:
+            for step in range(2):
+                torch.manual_seed(seed + step)  # replicated computation: every rank the same...
+                compiled(torch.ones(4, 16)).backward()
+                for p in net.parameters():
+                    dist.all_reduce(p.grad)
+                opt.step()
+                opt.zero_grad()
+        torch._dynamo.reset()
+    report = mode.report
+    return {
+        "findings": [
+            {
+                "kind": f.kind.value,
+                "site": f.site,
+                "op": f.op,
+                "compiled": f.sides[0].event.compiled,
+            }
+            for f in report.findings
+            if f.sides and f.sides[0].event is not None
+        ],
+        "count": len(report.findings),
+        "compiled": report.meta.get("compiled"),
+    }
+
+
+def clean_compiled(rank: int, world: int) -> dict[str, Any]:
+    return _compiled_training(rank, seed=10)
+
+
+def divergent_compiled(rank: int, world: int) -> dict[str, Any]:
+    return _compiled_training(rank, seed=10 + rank)  # ...but rank 1 seeds its own
+
+
+def test_compiled_dropout_across_two_ranks(tmp_path):
+    from _dist import run_scenarios
+
+    run_ = run_scenarios(
+        _HERE, ["clean_compiled", "divergent_compiled"], world_size=2, out_dir=tmp_path, timeout=300
+    )
+    for rank, r in run_["clean_compiled"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["count"] == 0 and r["compiled"]["forward_draws"] == 2, (rank, r)
+    file, line = marked_line("compiled dropout")
+    for rank, r in run_["divergent_compiled"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["count"] == 1, (rank, r)
+        (f,) = r["findings"]
+        assert f["kind"] == "rank_divergence" and f["op"] == "compiled_graph.forward"
+        assert (
+            f["site"] == f"{os.path.basename(file)}:{line}" and f["compiled"] == "compiled forward"
+        )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_compiled_dropout_is_checked_and_identical():  # pragma: no cover - CUDA lane
+    net = Net().cuda()
+    compiled = torch.compile(net)
+
+    def steps():
+        outs = []
+        for i in range(2):
+            torch.manual_seed(i)
+            outs.append(compiled(torch.ones(4, 16, device="cuda")))
+        return outs
+
+    plain = steps()
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        checked = steps()
+    assert all(torch.equal(a, b) for a, b in zip(plain, checked, strict=True))
+    assert mode.report.ok
+    assert any(e.compiled for e in mode.events), "the compiled graphs' philox draws were not seen"
