@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 import rngcheck
 
 P = 0.1
+STEPS = 30
 
 
 class Model(nn.Module):
@@ -65,11 +66,16 @@ def main() -> int:
     # on_finding="record": keep findings in the report and go on, so the demo shows them all
     # (the default, "raise", stops training with a RecomputeMismatchError out of backward).
 
-    console.rule("1. dropout drawn from a user Generator")
+    console.rule(f"1. dropout drawn from a user Generator, {STEPS} training steps")
     gen = torch.Generator().manual_seed(1234)
     with_generator = Model(generator=gen)
+    optimizer = torch.optim.SGD(with_generator.parameters(), lr=0.01)
     with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
-        same = train_step(with_generator)
+        same = True
+        for _ in range(STEPS):  # one bug at every step: one finding, seen STEPS times
+            same = train_step(with_generator) and same
+            optimizer.step()
+            optimizer.zero_grad()
     show(console, mode, same)
 
     console.rule("2. checkpoint(..., preserve_rng_state=False)")

@@ -43,6 +43,14 @@ class _UsageError(Exception):
     pass
 
 
+def _os_error_line(e: OSError) -> str:
+    """``PATH: no such file or directory``: the file first, as every other line names it (not
+    Python's ``[Errno 2] No such file or directory: 'PATH'``)."""
+    if e.filename is None or not e.strerror:
+        return str(e)
+    return f"{e.filename}: {e.strerror[0].lower()}{e.strerror[1:]}"
+
+
 # -- show ------------------------------------------------------------------------------------------
 
 
@@ -88,18 +96,41 @@ def _context_table(console: Console, merged: Any, several: bool) -> None:
         )
 
 
+def _run_status(run: Any) -> str:
+    """The run's totals: distinct findings, their occurrences, those not kept, those ignored."""
+    reports = run.reports.values()
+    dropped = max((r.findings_dropped for r in reports), default=0)
+    occurrences = sum(m.finding.count for m in run.findings.values())
+    ignored = sum(sum(r.ignored.values()) for r in reports)
+    if run.findings:
+        status = f"{len(run.findings) + dropped} finding(s)"
+        if occurrences > len(run.findings):
+            status += f" ({occurrences} occurrences)"
+        if dropped:
+            status += f", {dropped} of them not kept"
+    else:
+        status = "no findings"
+    return status + (f", ignored: {ignored}" if ignored else "")
+
+
 def _show(paths: Sequence[str], console: Console, context: bool) -> int:
     from .core.findings import format_ranks
     from .output.render import print_finding
     from .output.runs import load_runs, report_files
 
-    runs = load_runs(report_files(paths))
+    files = report_files(paths)
+    try:
+        runs = load_runs(files)
+    except ValueError:  # ReportError, and UnicodeDecodeError from a binary file
+        for path in files:
+            _check_report(path)  # one plain line for the first file that is not a report
+        raise
     code = EXIT_OK
     for run in runs:
         if len(runs) > 1:
             _print(console, f"== run {run.run_id}", style="bold")
         for merged in run.findings.values():
-            print_finding(merged.finding, console)
+            print_finding(merged.finding, console, run.world_size)
             if len(run.reports) > 1:
                 _print(console, f"  recorded by rank(s) {format_ranks(merged.seen_on)}")
             if context:
@@ -108,10 +139,10 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             on = f" (rank(s) {format_ranks(ranks)})" if len(run.reports) > 1 else ""
             _print(console, f"note{on}: {note.message}", style="yellow")
         ops = sum(r.random_ops for r in run.reports.values())
-        status = f"{len(run.findings)} finding(s)" if run.findings else "no findings"
-        which = format_ranks(run.reports)
+        status = _run_status(run)
+        which = format_ranks(run.reports, run.world_size)
         what = (
-            f"{len(run.reports)} rank report(s) (ranks {which} of {run.world_size})"
+            f"{len(run.reports)} rank report(s) (ranks {which})"
             if run.world_size > 1
             else "1 report"
         )
@@ -136,6 +167,33 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
         elif run.missing and code == EXIT_OK:
             code = EXIT_INCOMPLETE
     return code
+
+
+_SHOW_READS = "show reads the reports written by report_path= or RNGCHECK_REPORT"
+
+
+def _check_report(path: str) -> None:
+    """Raise a one-line :class:`_UsageError` when ``path`` is not a report this rngcheck reads:
+    unreadable, not text, not JSON (a trace, say), or JSON that is not a report."""
+    from .output.report import Report
+    from .output.runs import is_trace
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except UnicodeDecodeError:
+        raise _UsageError(f"{path}: not an rngcheck report (not text); {_SHOW_READS}") from None
+    except json.JSONDecodeError as e:
+        if is_trace(path):
+            raise _UsageError(
+                f"{path}: an rngcheck trace, not a report; compare traces with `rngcheck diff A B`"
+            ) from None
+        what = "an empty file" if not e.doc.strip() else f"not JSON: {e.msg}, line {e.lineno}"
+        raise _UsageError(f"{path}: not an rngcheck report ({what}); {_SHOW_READS}") from None
+    try:
+        Report.from_dict(data)
+    except (ValueError, KeyError, TypeError) as e:  # JSON of another kind, another format version
+        raise _UsageError(f"{path}: {e}") from None
 
 
 # -- diff ------------------------------------------------------------------------------------------
@@ -176,15 +234,30 @@ def _diff_dirs(a_dir: str, b_dir: str, console: Console, structure_only: bool) -
     return code
 
 
+def _read_trace(path: str) -> Any:
+    from .output.trace import read_trace
+
+    try:
+        return read_trace(path)
+    except UnicodeDecodeError:
+        raise _UsageError(f"{path} is not an rngcheck trace (not text)") from None
+
+
 def _diff(a_path: str, b_path: str, console: Console, structure_only: bool) -> int:
     if os.path.isdir(a_path) and os.path.isdir(b_path):
         return _diff_dirs(a_path, b_path, console, structure_only)
-    from .output.trace import TraceFormatError, first_divergence, read_trace
+    for path in (a_path, b_path):
+        if os.path.isdir(path):
+            raise _UsageError(
+                f"{path} is a directory and the other is not: compare two trace files, or two "
+                "directories of them (RNGCHECK_TRACE of two runs)"
+            )
+    from .output.trace import TraceFormatError, first_divergence
 
     try:
-        a, b = read_trace(a_path), read_trace(b_path)
+        a, b = _read_trace(a_path), _read_trace(b_path)
         divergence, compared = first_divergence(a.ops(), b.ops(), structure_only=structure_only)
-    except (OSError, TraceFormatError, KeyError, ValueError, json.JSONDecodeError) as e:
+    except (TraceFormatError, KeyError, ValueError) as e:  # OSError: main() names the file
         raise _UsageError(str(e)) from None
     what = "op sequences" if structure_only else "random-op streams"
     if divergence is None:
@@ -293,8 +366,9 @@ def main(argv: Sequence[str] | None = None, console: Console | None = None) -> i
 
         if not isinstance(e, (_UsageError, ReportError, TraceFormatError, OSError)):
             raise
+        line = _os_error_line(e) if isinstance(e, OSError) else str(e)
         Console(file=sys.stderr).print(
-            f"rngcheck: {e}", markup=False, highlight=False, soft_wrap=True
+            f"rngcheck: {line}", markup=False, highlight=False, soft_wrap=True
         )
         return EXIT_ERROR
 

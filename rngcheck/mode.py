@@ -9,6 +9,8 @@ also the one place that knows the active mode.
 
 from __future__ import annotations
 
+import array
+import bisect
 import logging
 import os
 import sys
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
-from .core.config import Config
+from .core.config import Config, check_writable
 from .core.digest import tensor_digest
 from .core.dispatch import Interceptor
 from .core.events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
@@ -92,6 +94,10 @@ class RNGConsistencyMode:
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
         report_path: a path to write this rank's JSON report to at exit.
         console: a ``rich.console.Console`` to render findings on (default: stderr).
+        ignore: known findings to leave out, by kind and/or the user's site: a list of
+            ``"recompute_mismatch@modeling_foo.py:120"``, ``"rank_divergence"`` or
+            ``"@train.py:40"`` (any line of a file: ``"@train.py"``). They are counted in the
+            report as ignored. To leave ops unchecked in code, use ``rngcheck.expect("ignore")``.
         every: the former name of ``every_ops`` (deprecated).
 
     Known limitations:
@@ -118,6 +124,7 @@ class RNGConsistencyMode:
         trace: str | None = None,
         report_path: str | None = None,
         console: Any = None,
+        ignore: Any = (),
         every: int | None = None,
     ) -> None:
         if every is not None:
@@ -139,10 +146,23 @@ class RNGConsistencyMode:
             timeout=timeout,
             trace=trace,
             report_path=report_path,
+            ignore=ignore,
         )
+        if console is not None:
+            from rich.console import Console
+
+            if not isinstance(console, Console):
+                raise ValueError(
+                    "console must be a rich.console.Console to draw findings on (e.g. "
+                    f"Console(stderr=True)), or None for stderr; got {console!r}"
+                )
         self.console = console
         self._report = Report()
-        self._sink = FindingSink(self._report, on_finding, console)
+        # Random ops drawn by the end of each optimizer step (8 bytes a step): a finding's step.
+        self._step_ends = array.array("q")
+        self._sink = FindingSink(
+            self._report, on_finding, console, ignore=self.config.ignore, step=self._step_of
+        )
         self._window = EventWindow(size=window)
         self._generators = GeneratorRegistry()
         self._seeds = SeedCallLog()
@@ -177,11 +197,18 @@ class RNGConsistencyMode:
                     "or the pytest --rngcheck option may have started one); exit it before "
                     "entering a new one, or use rngcheck.active_mode() to reach it."
                 )
+            for name in ("report_path", "trace"):  # fail now, not after hours of training
+                path = getattr(self.config, name)
+                if path:
+                    check_writable(name, path)
             self._entered = True
             self._pid = os.getpid()
             _ACTIVE = self
         try:
             self._seeds.install()
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(self._on_step)
             if self.config.check_recompute:
                 self.recompute_tracker = RecomputeTracker(self._sink.emit, self._record_cached)
                 self.recompute_tracker.install()
@@ -189,11 +216,6 @@ class RNGConsistencyMode:
                     self._coverage_gap(gap)
                 self._inferred = InferredRecomputes(self._sink.emit, self.config.window)
                 self._compiled = CompiledRecomputes(self._sink.emit)
-                from torch.optim.optimizer import register_optimizer_step_post_hook
-
-                self._step_hook = register_optimizer_step_post_hook(
-                    lambda *_: self._inferred.on_step() if self._inferred is not None else None
-                )
             self._load_xla()
             self._ranks = self._start_ranks()
             if self.config.trace:
@@ -238,6 +260,7 @@ class RNGConsistencyMode:
             self._seeds.uninstall()
             self._finalize_report()
             self._write_outputs()
+            self._sink.close()
         finally:
             with _ACTIVE_LOCK:
                 if _ACTIVE is self:
@@ -306,6 +329,16 @@ class RNGConsistencyMode:
         draws it, once)."""
         return self._sink.renders(finding)
 
+    def _on_step(self, *_: Any) -> None:
+        self._step_ends.append(self._window.total)
+        if self._inferred is not None:
+            self._inferred.on_step()
+
+    def _step_of(self, seq: int) -> int:
+        """The optimizer step (1-based) that drew random op ``seq``; the current one for -1."""
+        ends = self._step_ends
+        return len(ends) + 1 if seq < 0 else bisect.bisect_right(ends, seq) + 1
+
     # -- results -------------------------------------------------------------------------------
 
     @property
@@ -324,6 +357,10 @@ class RNGConsistencyMode:
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
         r.ops_by_generator = dict(self._window.by_generator)
+        if self._step_ends:
+            r.meta["optimizer_steps"] = len(self._step_ends)
+        elif any(f.first_step for f in r.findings):  # no optimizer steps: no step to tell
+            r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
         if self.recompute_tracker is not None:
             r.meta["recompute"] = dict(self.recompute_tracker.stats)
         if self._inferred is not None and self._inferred.stats["regions"]:

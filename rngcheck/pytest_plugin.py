@@ -11,7 +11,11 @@
 
 Only the test's call phase is checked, not its fixtures' set-up and teardown. The plugin is loaded
 in every pytest run of an environment where rngcheck is installed: when nothing asks for checking
-it adds no header line, starts no mode and leaves every test alone.
+it adds no header line, starts no mode, leaves every test alone and imports no torch.
+
+Bad input stops the run at configure time with a usage error: an option value, an RNGCHECK*
+variable (validated by the parser of ``RNGCHECK=1 python train.py``, whenever ``--rngcheck`` or
+``RNGCHECK`` is set), or a ``--rngcheck-report`` directory that could never be written.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import pytest
 
 _ENABLED = pytest.StashKey[bool]()
 _MODE = pytest.StashKey[Any]()  # the mode checking the running test, if any
+_IGNORED = pytest.StashKey[dict]()  # rule -> findings it left out, over the session
+_ENV_IGNORE = pytest.StashKey[tuple]()  # RNGCHECK_IGNORE's rules, for every checked test
+_REPORT_DIR = pytest.StashKey[str | None]()  # --rngcheck-report, absolute (tests may chdir)
 _ON_VALUES = ("1", "true", "on", "yes")
 
 
@@ -62,7 +69,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "rngcheck(enabled=True, **mode_kwargs): check this test's random ops with rngcheck "
         "(enabled=False: never check it, even with --rngcheck)",
     )
+    config.addinivalue_line(
+        "markers",
+        "rngcheck_ignore(*rules, reason=None): leave known rngcheck findings out of this test "
+        "(rules like 'recompute_mismatch@modeling_foo.py:120'); they are counted as ignored",
+    )
     config.stash[_ENABLED] = bool(config.getoption("rngcheck"))
+    directory = config.getoption("rngcheck_report")
+    config.stash[_REPORT_DIR] = _report_dir(directory) if directory else None
+    config.stash[_ENV_IGNORE] = _check_environment(config.stash[_ENABLED])
     if config.stash[_ENABLED]:
         from .core.config import Config
 
@@ -74,6 +89,41 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--rngcheck: {e}") from None
 
 
+def _report_dir(directory: str) -> str:
+    """The absolute report directory; a UsageError now, not a plugin traceback in place of a
+    test's finding later, when reports could never be saved there."""
+    from .core.config import unwritable  # no torch behind it
+
+    path = os.path.abspath(directory)
+    problem = unwritable(path, directory=True)
+    if not problem:
+        return path
+    raise pytest.UsageError(
+        f"--rngcheck-report expects a directory to save reports in (created if missing); got "
+        f"{directory!r}, but {problem}. Give a directory that exists or can be created, and "
+        "that this user can write"
+    )
+
+
+def _check_environment(enabled: bool) -> tuple[Any, ...]:
+    """Validate the RNGCHECK* variables the way ``RNGCHECK=1 python train.py`` does (the same
+    parser), so that a typo fails the run at once instead of being ignored under pytest. Returns
+    the RNGCHECK_IGNORE rules, which apply to every checked test."""
+    value = os.environ.get("RNGCHECK", "")
+    if not enabled and not value.strip() and "RNGCHECK_IGNORE" not in os.environ:
+        return ()  # nothing asks for checking: import nothing
+    from .env.variables import OFF_VALUES, EnvError, settings_from_env
+
+    environ = dict(os.environ)
+    if value.strip().lower() in OFF_VALUES and enabled:
+        environ["RNGCHECK"] = "1"  # --rngcheck: read them as RNGCHECK=1 would (unknown names too)
+    try:
+        settings = settings_from_env(environ)
+    except EnvError as e:
+        raise pytest.UsageError(f"rngcheck: {e}") from None
+    return tuple(settings.mode_kwargs["ignore"])
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     if not config.stash.get(_ENABLED, False):
         return None
@@ -82,6 +132,12 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"{config.getoption('rngcheck_expect')}, sync={config.getoption('rngcheck_sync')}); "
         "reproduce one with: pytest --rngcheck NODEID"
     )
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
 
 
 def _mode_kwargs(item: pytest.Item) -> dict[str, Any] | None:
@@ -96,6 +152,11 @@ def _mode_kwargs(item: pytest.Item) -> dict[str, Any] | None:
         return None
     kwargs.setdefault("expect", item.config.getoption("rngcheck_expect"))
     kwargs.setdefault("sync", item.config.getoption("rngcheck_sync"))
+    ignore = [*item.config.stash.get(_ENV_IGNORE, ()), *_as_list(kwargs.get("ignore"))]
+    for mark in item.iter_markers("rngcheck_ignore"):
+        ignore.extend(mark.args)
+    if ignore:
+        kwargs["ignore"] = ignore
     kwargs["on_finding"] = "record"  # the test fails after its call, with every finding listed
     return kwargs
 
@@ -107,7 +168,14 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         return (yield)
     from .mode import RNGConsistencyMode
 
-    mode = RNGConsistencyMode(**kwargs)
+    try:
+        mode = RNGConsistencyMode(**kwargs)
+    except (TypeError, ValueError) as e:  # the marker's arguments: say which, not a traceback
+        problem = f"rngcheck: this test's rngcheck markers ask for {kwargs}: {e}"
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(problem, pytrace=False)
     item.stash[_MODE] = mode
     try:
         with mode:
@@ -118,20 +186,33 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     finally:
         del item.stash[_MODE]
     report = mode.report
+    if report.ignored:  # never silent: beside the test, and in the session's summary
+        ignored = item.config.stash.setdefault(_IGNORED, {})
+        for rule, count in report.ignored.items():
+            ignored[rule] = ignored.get(rule, 0) + count
+        item.add_report_section("call", "rngcheck", _ignored_text(report.ignored))
     if not report.ok:
         _save(item, report)
         pytest.fail(_failure_text(item, report), pytrace=False)
     return result
 
 
-def _failure_text(item: pytest.Item, report: Any) -> str:
-    from .output.render import format_finding
+def _ignored_text(ignored: dict[str, int]) -> str:
+    rules = ", ".join(f"{rule} x{count}" for rule, count in sorted(ignored.items()))
+    return f"rngcheck: ignored: {sum(ignored.values())} finding occurrence(s) ({rules})"
 
-    parts = [format_finding(f) for f in report.findings]
-    parts.append(
-        f"rngcheck: {len(report.findings)} finding(s) in {report.random_ops} random op(s). "
-        f"Reproduce: pytest --rngcheck {item.nodeid}"
-    )
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    ignored = config.stash.get(_IGNORED, None)
+    if ignored:
+        terminalreporter.write_line(_ignored_text(ignored))
+
+
+def _failure_text(item: pytest.Item, report: Any) -> str:
+    from .output.render import format_finding, summary_line
+
+    parts = [format_finding(f, report.world_size) for f in report.findings]
+    parts.append(f"{summary_line(report)}. Reproduce: pytest --rngcheck {item.nodeid}")
     return "\n".join(parts)
 
 
@@ -143,13 +224,17 @@ def _attach(item: pytest.Item, mode: Any) -> None:
 
 
 def _save(item: pytest.Item, report: Any) -> None:
-    directory = item.config.getoption("rngcheck_report")
+    directory = item.config.stash.get(_REPORT_DIR, None)
     if not directory:
         return
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.nodeid).strip("_") + ".json"
     report.meta.setdefault("run_id", item.nodeid)
     report.meta.setdefault("test", item.nodeid)
-    report.save(os.path.join(directory, name))
+    path = os.path.join(directory, name)
+    try:
+        report.save(path)
+    except OSError as e:  # (the disk filled up, say): said beside the finding, never instead of it
+        item.add_report_section("call", "rngcheck report", f"could not save {path}: {e}")
 
 
 @pytest.fixture

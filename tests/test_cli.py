@@ -4,7 +4,9 @@ exit codes CI relies on."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from rngcheck.output.report import Report
 from rngcheck.output.trace import read_trace
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+RNGCHECK_BIN = Path(sys.executable).parent / "rngcheck"  # the console script
 TITLE = "checkpoint recompute drew different random numbers"
 HERE = Path(__file__).name
 
@@ -100,9 +103,9 @@ def test_show_merges_the_per_rank_files_of_one_run(tmp_path: Path) -> None:
     code, out = _cli("show", str(tmp_path))
     assert code == 1
     assert out.count(TITLE) == 1  # one rendering for the finding both ranks recorded
-    assert "recorded by rank(s) 0:2" in out
+    assert "recorded by rank(s) 0-1" in out
     assert "random ops around it (on rank 0):" in out
-    assert "rngcheck: 2 rank report(s) (ranks 0:2 of 2)" in out
+    assert "rngcheck: 2 rank report(s) (ranks 0-1 of 2)" in out
     assert "no report from" not in out
 
 
@@ -130,23 +133,43 @@ def test_show_keeps_runs_apart(tmp_path: Path) -> None:
     assert out.index("== run run-b") < out.index(TITLE)  # the finding is under its own run
 
 
-def test_show_refuses_what_it_cannot_read(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    trace = _save_trace(tmp_path / "t.jsonl")
-    (tmp_path / "bad.json").write_text("{not json")
+def test_show_says_in_one_line_what_it_cannot_read(tmp_path: Path, capsys) -> None:
+    _save_trace(tmp_path / "t.jsonl")
+    report = _save_report(tmp_path / "r.json", _training)
+    files = {
+        "other.json": '{"name": "a package.json, say"}',
+        "list.json": "[1, 2]",
+        "bad.json": "{not json",
+        "empty.json": "",
+        "v99.json": json.dumps({**report.to_dict(), "format": 99}),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
     (tmp_path / "empty").mkdir()
     _save_report(tmp_path / "x" / "one.json", _training, run_id="r")
     _save_report(tmp_path / "x" / "two.json", _training, run_id="r")
+    shows = "show reads the reports written by report_path= or RNGCHECK_REPORT"
+    foreign = 'not an rngcheck report (JSON without rngcheck\'s "format" field); rngcheck reads'
     cases = {
-        str(tmp_path / "missing.json"): "no such file or directory",
-        str(trace): "(a trace? use `rngcheck diff`)",
-        str(tmp_path / "bad.json"): "not a readable rngcheck report",
-        str(tmp_path / "empty"): "no *.json reports in this directory",
-        str(tmp_path / "x"): "are both rank 0 of run r",
+        "missing.json": "no such file or directory",
+        "other.json": foreign,
+        "list.json": foreign,
+        "v99.json": "unsupported rngcheck report format 99; this rngcheck reads format",
+        "bad.json": f"not an rngcheck report (not JSON: Expecting property name enclosed in "
+        f"double quotes, line 1); {shows}",
+        "empty.json": f"not an rngcheck report (an empty file); {shows}",
+        "binary.json": f"not an rngcheck report (not text); {shows}",
+        "t.jsonl": "an rngcheck trace, not a report; compare traces with `rngcheck diff A B`",
+        "empty": "no *.json reports in this directory",
     }
-    for path, message in cases.items():
-        code, out = _cli("show", path)
-        assert code == 2 and out == ""
-        assert message in capsys.readouterr().err
+    for name, message in cases.items():
+        path = tmp_path / name
+        assert _cli("show", str(path)) == (2, "")
+        err = capsys.readouterr().err
+        assert err.startswith(f"rngcheck: {path}: {message}") and err.count("\n") == 1, err
+    assert _cli("show", str(tmp_path / "x")) == (2, "")
+    assert "are both rank 0 of run r: show one run's files at a time" in capsys.readouterr().err
 
 
 # -- diff ----------------------------------------------------------------------------------------
@@ -220,10 +243,67 @@ def test_diff_refuses_truncated_or_foreign_files(tmp_path: Path, capsys) -> None
     for other, message in (
         (cut, "the trace has no end line (a truncated file?)"),
         (report, "is not an rngcheck trace"),
-        (tmp_path / "nope.jsonl", "No such file or directory"),
+        (tmp_path / "nope.jsonl", f"{tmp_path / 'nope.jsonl'}: no such file or directory"),
+        (tmp_path, f"{tmp_path} is a directory and the other is not: compare two trace files"),
     ):
         assert _cli("diff", str(a), str(other)) == (2, "")
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert err.startswith("rngcheck: ") and message in err and err.count("\n") == 1, err
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00")
+    assert _cli("diff", str(binary), str(a)) == (2, "")
+    assert capsys.readouterr().err == f"rngcheck: {binary} is not an rngcheck trace (not text)\n"
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RNGCHECK", "_RNGCHECK"))}
+
+
+@pytest.mark.slow
+def test_a_missing_file_is_one_line_naming_it_for_show_and_diff(tmp_path: Path) -> None:
+    # Through the console script: exit status 2, one line on stderr, no traceback.
+    missing = tmp_path / "nope.json"
+    for args in (["show", str(missing)], ["diff", str(missing), str(missing)]):
+        r = subprocess.run(
+            [str(RNGCHECK_BIN), *args],
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert (r.returncode, r.stdout) == (2, "")
+        assert r.stderr == f"rngcheck: {missing}: no such file or directory\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["RNGCHECK_BIN", "--version"],
+        ["RNGCHECK_BIN", "--help"],
+        ["RNGCHECK_BIN", "show", "--help"],
+        ["RNGCHECK_BIN", "diff", "--help"],
+        ["-m", "rngcheck.cli", "--help"],
+    ],
+)
+def test_version_and_help_answer_without_importing_torch(command: list[str]) -> None:
+    argv = [str(RNGCHECK_BIN) if a == "RNGCHECK_BIN" else a for a in command]
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", *argv],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rngcheck" in r.stdout  # the version or the usage text
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert {"rngcheck", "rich.console"} <= imported  # the probe sees what the CLI imports
+    assert not {m for m in imported if m == "torch" or m.startswith("torch.")}
 
 
 @pytest.mark.slow
@@ -242,9 +322,8 @@ def test_plain_tensors_and_dtensor_draw_the_same_numbers(tmp_path: Path) -> None
     )
     assert r.returncode == 0, r.stderr[-3000:]
     # Through the console script, as CI would call it.
-    rngcheck_bin = Path(sys.executable).parent / "rngcheck"
     r = subprocess.run(
-        [str(rngcheck_bin), "diff", str(tmp_path / "plain.jsonl"), str(tmp_path / "dtensor.jsonl")],
+        [str(RNGCHECK_BIN), "diff", str(tmp_path / "plain.jsonl"), str(tmp_path / "dtensor.jsonl")],
         env=env,
         capture_output=True,
         text=True,
@@ -280,12 +359,15 @@ def test_on_a_terminal_show_and_diff_draw_panels_with_both_stacks(tmp_path: Path
 
 
 def test_a_trace_that_cannot_be_written_warns_and_never_stops_training(tmp_path: Path) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    path = blocker / "trace.jsonl"  # its "directory" is a file
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    path = folder / "trace.jsonl"
     warns = pytest.warns(rngcheck.RNGCheckWarning, match=f"could not write its trace to {path}")
     with warns, rngcheck.RNGConsistencyMode(on_finding="record", trace=str(path)) as mode:
         _training()
+        # Writable when the mode started (checked then); during the run its folder became a file.
+        shutil.rmtree(folder)
+        folder.write_text("")
     assert mode.report.random_ops == 5 and not path.exists()
 
 

@@ -4,6 +4,7 @@ attribution, argument validation, bounded memory and zero perturbation."""
 from __future__ import annotations
 
 import gc
+import io
 import os
 import tracemalloc
 import weakref
@@ -297,12 +298,37 @@ def test_seeding_functions_are_restored_on_exit_also_after_an_exception():
         ({"timeout": -1}, "timeout must be a positive number of seconds"),
         ({"timeout": True}, "timeout must be a positive number of seconds"),
         ({"timeout": float("nan")}, "timeout must be a positive number of seconds"),
+        ({"console": "stderr"}, "console must be a rich.console.Console"),
+        ({"console": io.StringIO()}, "console must be a rich.console.Console"),
+        ({"report_path": 3}, "report_path must be a file path (a str or os.PathLike)"),
+        ({"trace": ["t.jsonl"]}, "trace must be a file path (a str or os.PathLike)"),
+        ({"report_path": ""}, "report_path must be a file path"),
     ],
 )
 def test_bad_arguments_name_the_valid_choices(kwargs, message):
     with pytest.raises(ValueError) as info:
         rngcheck.RNGConsistencyMode(**kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["report_path", "trace"])
+def test_a_path_that_can_never_be_written_fails_when_the_mode_starts(tmp_path, name):
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    cases = {
+        str(afile / "sub" / "out.json"): "is a file, not a folder",
+        str(tmp_path): "is a directory; give the path of a file",
+    }
+    for path, message in cases.items():
+        mode = rngcheck.RNGConsistencyMode(**{name: path})
+        with pytest.raises(ValueError, match=message), mode:
+            pytest.fail("the mode started")  # pragma: no cover - it must not
+        assert rngcheck.active_mode() is None
+    # A folder that does not exist yet is created when the file is written.
+    deep = tmp_path / "new" / "dir" / "out.json"
+    with rngcheck.RNGConsistencyMode(**{name: deep}):
+        pass
+    assert deep.exists()
 
 
 def test_the_former_every_argument_still_works_and_says_its_new_name():

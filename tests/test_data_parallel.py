@@ -268,9 +268,9 @@ def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
     notes = _results(two, "hf_ddp_seed_plus_rank")[0]["notes"]
     text = "\n".join(notes)
     # Rule 2: the wrapped model's forward and backward (HF's checkpointed dropout included).
-    assert "in the forward and backward of DistributedDataParallel over ranks 0:2" in text
+    assert "in the forward and backward of DistributedDataParallel over ranks 0-1" in text
     # Rule 4: the per-rank initialisation, overwritten by DDP's broadcast.
-    assert "parameter initialisation(s); DistributedDataParallel over ranks 0:2 broadcast" in text
+    assert "parameter initialisation(s); DistributedDataParallel over ranks 0-1 broadcast" in text
     # Rule 3: seed + rank, a per-rank stream of a data-parallel program.
     assert "default cpu is seeded differently on each rank" in text
     assert "a per-rank stream" in text
@@ -283,9 +283,9 @@ def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
     ("name", "wrapper"),
     [
         ("hand_written_allreduce_seed_plus_rank", ""),
-        ("ddp_without_init_sync_seed_plus_rank", "DistributedDataParallel over ranks 0:2"),
-        ("fsdp_seed_plus_rank", "FullyShardedDataParallel over ranks 0:2"),
-        ("fully_shard_seed_plus_rank", "fully_shard over ranks 0:2"),
+        ("ddp_without_init_sync_seed_plus_rank", "DistributedDataParallel over ranks 0-1"),
+        ("fsdp_seed_plus_rank", "FullyShardedDataParallel over ranks 0-1"),
+        ("fully_shard_seed_plus_rank", "fully_shard over ranks 0-1"),
     ],
 )
 def test_parameters_initialised_per_rank_and_never_broadcast_are_found(

@@ -94,6 +94,7 @@ def test_rngcheck_fails_tests_with_findings_and_saves_their_reports(
     assert 'File "' in buggy and "sample_tests.py" in buggy  # the user's frames, both sides
     assert "Reproduce: pytest --rngcheck sample_tests.py::test_buggy" in buggy
     assert "Traceback" not in buggy and "pytest_plugin.py" not in buggy  # no plugin internals
+    assert "_pytest" not in buggy and "pluggy" not in buggy  # nor pytest's own frames
     own = reports["test_fails_on_its_own"]
     assert "AssertionError: the test's own failure" in own["longrepr"]
     assert TITLE in own["sections"]["Captured rngcheck call"]  # its findings beside its failure
@@ -128,3 +129,201 @@ def test_bad_option_values_stop_the_run_naming_the_valid_ones(pytester: pytest.P
     result.stderr.fnmatch_lines(
         ["*--rngcheck: sync must be one of 'op', 'step', 'off'; got 'sometimes'*"]
     )
+
+
+def _set_environ(monkeypatch: pytest.MonkeyPatch, values: dict[str, str]) -> None:
+    """Exactly these RNGCHECK* variables for the sessions this test starts."""
+    for name in [k for k in os.environ if k.startswith(("RNGCHECK", "_RNGCHECK"))]:
+        monkeypatch.delenv(name)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+# Writes what the test process has imported by the time a test runs.
+_PROBE = """
+import json
+import sys
+
+
+def test_probe():
+    with open("imported.json", "w") as f:
+        json.dump({m: m in sys.modules for m in ("rngcheck.pytest_plugin", "torch")}, f)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "rngcheck_env", "torch_imported"),
+    [
+        ((), None, False),  # nothing asks for checking
+        ((), "0", False),  # RNGCHECK set, but off
+        (("--rngcheck",), None, True),  # the control: checking imports torch, and the probe sees it
+    ],
+    ids=["nothing", "off", "checking"],
+)
+def test_a_run_that_asks_for_nothing_never_imports_torch(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: tuple[str, ...],
+    rngcheck_env: str | None,
+    torch_imported: bool,
+) -> None:
+    # The session runs in a fresh process without this suite's conftest (which imports torch):
+    # only the plugin, loaded from its pytest11 entry point, could bring torch in.
+    _set_environ(monkeypatch, {} if rngcheck_env is None else {"RNGCHECK": rngcheck_env})
+    pytester.makepyfile(test_probe=_PROBE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    result.assert_outcomes(passed=1)
+    imported = json.loads((pytester.path / "imported.json").read_text())
+    assert imported == {"rngcheck.pytest_plugin": True, "torch": torch_imported}
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "message"),
+    [
+        (
+            {"RNGCHECK": "1", "RNGCHECK_ON_FINDING": "boom"},
+            (),
+            "RNGCHECK_ON_FINDING='boom' is not valid: use one of raise, warn, record",
+        ),
+        (
+            {"RNGCHECK_EVERY_STEPS": "0"},
+            ("--rngcheck",),
+            "RNGCHECK_EVERY_STEPS='0' is not valid: use a positive whole number (e.g. 10)",
+        ),
+        (
+            {"RNGCHECK": "yes please"},
+            (),
+            "RNGCHECK='yes please' is not valid: use one of 1, true, on, yes (on) or 0, false, "
+            "off, no (off)",
+        ),
+        (
+            {"RNGCHECK_ON_FINDNG": "record"},
+            ("--rngcheck",),
+            "unknown variable RNGCHECK_ON_FINDNG (a typo?): rngcheck reads RNGCHECK, ",
+        ),
+    ],
+    ids=["choice", "number", "switch", "unknown"],
+)
+def test_bad_environment_values_stop_the_run_as_they_stop_a_script(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    args: tuple[str, ...],
+    message: str,
+) -> None:
+    _set_environ(monkeypatch, env)
+    pytester.makepyfile(sample_tests=SAMPLE.read_text())
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0].startswith(f"ERROR: rngcheck: {message}")
+    assert "Traceback" not in result.stderr.str()
+
+
+@pytest.mark.parametrize("given", ["blocker.txt", "blocker.txt/reports"])
+def test_a_report_directory_that_can_never_be_written_stops_the_run(
+    pytester: pytest.Pytester, given: str
+) -> None:
+    pytester.makepyfile(sample_tests=SAMPLE.read_text())
+    blocker = pytester.makefile(".txt", blocker="not a directory")
+    # Without --rngcheck too: the marked tests save their reports there.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--rngcheck-report", given)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0] == (
+        f"ERROR: --rngcheck-report expects a directory to save reports in (created if missing); "
+        f"got {given!r}, but {blocker} is a file, not a folder. Give a directory that exists "
+        "or can be created, and that this user can write"
+    )
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_a_report_that_cannot_be_saved_is_said_beside_the_finding(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        sample_tests=SAMPLE.read_text(),
+        test_blocked="""
+import pytest
+import torch
+from sample_tests import _checkpointed_noise
+
+
+@pytest.mark.rngcheck
+def test_blocked() -> None:
+    open("reports", "w").close()  # after the run started, a file takes the directory's path
+    _checkpointed_noise(torch.Generator().manual_seed(0))
+""",
+    )
+    pytester.makeconftest(_RECORDER)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--rngcheck-report", "reports", "test_blocked.py"
+    )
+    result.assert_outcomes(failed=1)
+    blocked = json.loads((pytester.path / "reports.json").read_text())["test_blocked"]
+    assert TITLE in blocked["longrepr"]  # the finding, not the plugin's OSError, fails the test
+    assert "pytest_plugin.py" not in blocked["longrepr"]
+    saved = pytester.path / "reports" / "test_blocked.py_test_blocked.json"
+    assert blocked["sections"]["Captured rngcheck report call"].startswith(
+        f"could not save {saved}: "
+    )
+
+
+_KNOWN = """
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def _buggy():
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+
+    def block(x):
+        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)  # line 11
+
+    checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False).sum().backward()
+
+
+@pytest.mark.rngcheck
+@pytest.mark.rngcheck_ignore("recompute_mismatch@known.py:11", reason="upstream bug")
+def test_known():
+    _buggy()
+
+
+@pytest.mark.rngcheck
+@pytest.mark.rngcheck_ignore("recompute_mismatch@known.py:12")
+def test_other_line():
+    _buggy()
+
+
+@pytest.mark.rngcheck
+@pytest.mark.rngcheck_ignore("recompute-mismatch")
+def test_bad_rule():
+    _buggy()
+"""
+
+
+def test_known_findings_are_ignored_by_marker_or_environment_and_counted(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(known=_KNOWN)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", "known.py")
+    result.assert_outcomes(passed=1, failed=2)
+    out = result.stdout.str()
+    # The rule covers line 11 only; a rule for another line leaves the finding standing.
+    assert "FAILED known.py::test_other_line" in out
+    assert "rngcheck: ignored: 1 finding occurrence(s) (recompute_mismatch@known.py:11 x1)" in out
+    assert "recompute-mismatch' is not a rule of the form KIND, KIND@FILE:LINE" in out
+    assert "Traceback" not in out.split("known.py::test_bad_rule")[-1]
+
+    # RNGCHECK_IGNORE applies to every checked test, and is validated like every variable.
+    monkeypatch.setenv("RNGCHECK", "1")
+    monkeypatch.setenv("RNGCHECK_IGNORE", "recompute_mismatch@known.py")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "known.py", "-k", "not bad")
+    result.assert_outcomes(passed=2)
+    assert "rngcheck: ignored: 2 finding occurrence(s) (recompute_mismatch@known.py x2)" in (
+        result.stdout.str()
+    )
+    monkeypatch.setenv("RNGCHECK_IGNORE", "boom@known.py")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "known.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "RNGCHECK_IGNORE: 'boom@known.py' is not a rule of the form" in result.stderr.str()

@@ -91,7 +91,9 @@ def test_flow_finding_names_the_extra_op_and_the_dataloader() -> None:
     assert "rank 0 ran an extra random op, aten.random_.default" in f.cause
     assert "DataLoader iterator" in f.cause
     text = rngcheck.format_finding(f)
-    assert "majority (ranks 1:3)" in text and "outliers (ranks 0)" in text
+    assert "majority (ranks 1-2)" in text and "outliers (rank 0)" in text
+    text = rngcheck.format_finding(f, world_size=3)
+    assert "majority (ranks 1-2 of 3)" in text and "outliers (rank 0 of 3)" in text
 
 
 def test_single_process_has_no_rank_checker() -> None:
@@ -140,4 +142,4 @@ def test_rank_finding_renders_as_a_panel_with_a_side_that_ran_nothing() -> None:
     console.print(rngcheck.render_finding(f))
     text = console.export_text()
     assert "RNG state diverged across ranks" in text and "reached collective c10d.barrier" in text
-    assert "reference (ranks 1)" in text and "divergent (ranks 0)" in text
+    assert "reference (rank 1)" in text and "divergent (rank 0)" in text

@@ -83,6 +83,28 @@ def test_preserve_rng_state_false_is_found_in_the_model_file(family, attn, reent
     _assert_model_lines(finding, f"modeling_{family}.py")
 
 
+@pytest.mark.parametrize(
+    ("family", "layer"),
+    [("llama", "model.layers.1 (LlamaDecoderLayer)"), ("gpt2", "transformer.h.1 (GPT2Block)")],
+)
+@REENTRANT
+def test_a_bug_in_every_layer_and_step_is_one_finding_naming_the_layer(family, layer, reentrant):
+    torch.manual_seed(0)
+    model = _hf.build(family)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant, "preserve_rng_state": False}
+    )
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _hf.train(model, family, steps=4)
+    # Every layer shares one call line of HF's checkpoint wrapper: the layer is named by the
+    # module it runs. Backward recomputes the last layer first, where the first mismatch is.
+    # The same dropout line in both layers at all 4 steps: one finding, seen 8 times.
+    (finding,) = mode.report.findings
+    assert finding.op == "aten.bernoulli_.float"
+    assert finding.region.startswith("checkpoint #2 ") and f" of {layer} at " in finding.region
+    assert (finding.count, finding.first_step, finding.last_step) == (8, 1, 4)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 @ATTN
 @REENTRANT

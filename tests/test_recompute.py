@@ -362,9 +362,10 @@ def test_composable_checkpoint_of_a_module_is_tracked():
     )
 
 
-def test_a_training_loop_with_the_bug_reports_it_at_every_step():
+def test_a_training_loop_with_the_bug_reports_it_once_with_its_count_and_steps():
     lin = nn.Linear(16, 16)
     gen = torch.Generator().manual_seed(7)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
 
     def block(x):
         return lin(x) * (torch.rand(x.shape, generator=gen) > 0.1)  # <- loop gen
@@ -372,17 +373,21 @@ def test_a_training_loop_with_the_bug_reports_it_at_every_step():
     def train():
         for _ in range(5):
             checkpoint(block, _input(), use_reentrant=False).sum().backward()
+            opt.step()
 
     report = run(train)
-    assert len(report.findings) == 5  # one per step's region; warnings are once per call site
-    assert len({f.region for f in report.findings}) == 5
-    first = Report(findings=report.findings[:1])
+    # One bug, one finding: every step's region hit it, counted on the first occurrence.
+    assert len(report.findings) == 1
+    (finding,) = report.findings
+    assert (finding.count, finding.first_step, finding.last_step) == (5, 1, 5)
+    assert report.meta["optimizer_steps"] == 5
+    assert finding.region.startswith("checkpoint #1 ")  # numbered per mode, from 1
     assert_recompute_finding(
-        first, op="aten.rand.generator", differs="state", at="loop gen", cause=["generator="]
+        report, op="aten.rand.generator", differs="state", at="loop gen", cause=["generator="]
     )
-    assert {(f.op, f.site, f.differs) for f in report.findings} == {
-        ("aten.rand.generator", short("loop gen", __file__), "state")
-    }
+    assert finding.site == short("loop gen", __file__)
+    saved = Report.from_json(report.to_json()).findings[0]
+    assert (saved.count, saved.first_step, saved.last_step) == (5, 1, 5)
 
 
 @REENTRANT

@@ -6,7 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "checkpoint_dropout.py"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "checkpoint_dropout.py"
 
 
 def test_checkpoint_dropout_example():
@@ -26,3 +27,11 @@ def test_checkpoint_dropout_example():
     for needle in ("bernoulli_(1 - P, generator=self.generator)", "F.dropout(h, P"):
         [lineno] = [i for i, line in enumerate(lines, 1) if needle in line]
         assert f"at checkpoint_dropout.py:{lineno}" in out
+    # The README shows this run's first finding: its recurring count and summary lines are real.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for shown in (
+        "Recurring: seen 30 times in all, steps 1 to 30",
+        "rngcheck: 90 random op(s) checked, 1 finding(s) (30 occurrences)",
+        "random op #0 of checkpoint #1 (reentrant) of Model at checkpoint_dropout.py:",
+    ):
+        assert shown in readme and shown in out, shown

@@ -132,9 +132,14 @@ def test_raise_mode_raises_out_of_backward(reentrant):
     assert finding.op == "aten.rand.generator" and finding.differs == "state"
     path, line = marked_line("raised gen")
     assert (finding.stack.call_site.filename, finding.stack.call_site.lineno) == (path, line)
-    assert "Likely cause:" in str(info.value) and "generator=" in str(info.value)
+    # Drawn above it, the error says what and where in one line; the drawing explains.
+    assert str(info.value) == (
+        f"recompute_mismatch: aten.rand.generator at test_recompute_lifecycle.py:{line} "
+        "(rngcheck drew the finding above)"
+    )
     assert mode.report.findings == [finding]
     rendered = console.file.getvalue()
+    assert rendered.count("Likely cause:") == 1 and "generator=" in rendered
     assert "checkpoint recompute drew different random numbers" in rendered
     assert f"test_recompute_lifecycle.py:{line}" in rendered
 

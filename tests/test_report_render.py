@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -15,6 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 import rngcheck
 from rngcheck.core.findings import format_ranks
+from rngcheck.output.report import Report
+from rngcheck.output.sink import FindingSink
 
 THIS = os.path.basename(__file__)
 
@@ -69,11 +72,32 @@ def test_raise_renders_then_raises_the_kind_specific_error():
     err = info.value
     assert isinstance(err, rngcheck.RNGCheckError)
     assert err.finding.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH
-    assert f"{THIS}:{_at('the-random-op')}" in str(err)
-    assert "Likely cause:" in str(err)
+    # The explanation once: drawn in full, then an error whose message is one line.
+    assert str(err) == (
+        f"recompute_mismatch: aten.rand.generator at {THIS}:{_at('the-random-op')} "
+        "(rngcheck drew the finding above)"
+    )
     text = out.getvalue()
     assert "checkpoint recompute drew different random numbers" in text
     assert f'{THIS}", line {_at("the-random-op")}' in text
+    assert text.count("Likely cause:") == 1
+
+
+def test_an_error_raised_where_nothing_was_drawn_carries_the_whole_finding():
+    # Another rank draws a finding that several ranks see: this one raises with it all.
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _buggy_step(torch.Generator().manual_seed(0))
+    (finding,) = mode.report.findings
+    out = io.StringIO()
+    sink = FindingSink(Report(), "raise", Console(file=out, force_terminal=False))
+    sink.renders = lambda _finding: False
+    with pytest.raises(rngcheck.RecomputeMismatchError) as info:
+        sink.emit(finding)
+    assert out.getvalue() == ""
+    assert str(info.value).startswith("checkpoint recompute drew different random numbers: ")
+    assert "Likely cause:" in str(info.value) and f"{THIS}:{_at('the-random-op')}" in str(
+        info.value
+    )
 
 
 def test_warn_warns_once_per_call_site_at_the_user_line():
@@ -85,7 +109,7 @@ def test_warn_warns_once_per_call_site_at_the_user_line():
             for _ in range(3):
                 _buggy_step(gen)
     ours = [w for w in caught if issubclass(w.category, rngcheck.RNGCheckWarning)]
-    assert len(mode.report.findings) == 3
+    assert [f.count for f in mode.report.findings] == [3]  # one bug, seen at each step
     assert len(ours) == 1
     assert os.path.basename(ours[0].filename) == THIS
     assert ours[0].lineno == _at("the-random-op")
@@ -153,8 +177,47 @@ def test_print_report_summarises():
     assert "rngcheck: 1 random op(s) checked, no findings" in out.getvalue()
 
 
-def test_format_ranks_is_compact():
-    assert format_ranks([0, 1, 2, 3, 6]) == "0:4,6"
+def test_format_ranks_is_readable():
+    assert format_ranks([0, 1, 2, 3, 6]) == "0-3,6"
     assert format_ranks([5]) == "5"
-    assert format_ranks([3, 1, 2]) == "1:4"
+    assert format_ranks([3, 1, 2]) == "1-3"
+    assert format_ranks([0, 1], world_size=2) == "0-1 of 2"
     assert format_ranks([]) == "-"
+
+
+def test_scalar_arguments_print_as_a_person_wrote_them():
+    # kaiming_uniform_'s bound for fan_in=16 (gain sqrt(1/3)): -0.24999999999999997, double
+    # arithmetic, not intent.
+    bound = -((1 / 3) ** 0.5) * (3 / 16) ** 0.5
+    assert repr(bound) == "-0.24999999999999997"
+    p = torch.tensor(0.1).item()  # 0.10000000149011612: a float32 read back
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        torch.empty(4).uniform_(bound, -bound)
+        torch.empty(4).bernoulli_(p)
+    args = [e.args for e in mode.events]
+    assert args == [("float32[4]", "from=-0.25", "to=0.25"), ("float32[4]", "p=0.1")]
+    assert rngcheck.core.ops.format_float(2.0**-30) == "9.313226e-10"
+    assert rngcheck.core.ops.format_float(float("inf")) == "inf"
+
+
+def test_a_panel_fills_the_terminal_with_a_space_before_each_right_border():
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _buggy_step(torch.Generator().manual_seed(0))
+    (finding,) = mode.report.findings
+    for width in (100, 180):
+        console = Console(record=True, width=width, force_terminal=True, color_system=None)
+        console.print(rngcheck.render_finding(finding))
+        lines = console.export_text().splitlines()
+        assert all(len(line) == width for line in lines), {len(line) for line in lines}
+        inner = [line[:-1].rstrip("│") for line in lines[1:-1]]
+        # Every row inside the outer border ends in a space or its own box's border.
+        assert all(
+            line.endswith((" ", "│", "┃", "┓", "┛", "┐", "┘", "╮", "╯", "┩", "┤")) for line in inner
+        )
+        tracebacks = [line for line in lines if "Traceback (most recent call last)" in line]
+        assert tracebacks and all(
+            len(line.rstrip().rstrip("│").rstrip()) > width - 8 for line in tracebacks
+        )
+        # The sides' table: a space between each cell and the table's borders, left and right.
+        table_rows = [line for line in lines if "│ call site " in line]
+        assert table_rows and all(re.search(r"[^ ] │ *│$", row) for row in table_rows)

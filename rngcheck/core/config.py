@@ -4,12 +4,13 @@ the edge (``rngcheck.env``, the CLI, the pytest plugin) and turned into one of t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
-from .policy import EXPECTATIONS, validate_choice
+from .policy import EXPECTATIONS, IgnoreRule, parse_ignore, validate_choice
 
-__all__ = ["ON_FINDING", "SYNC_MODES", "Config"]
+__all__ = ["ON_FINDING", "SYNC_MODES", "Config", "check_writable", "unwritable"]
 
 ON_FINDING = ("raise", "warn", "record")
 SYNC_MODES = ("op", "step", "off")
@@ -31,8 +32,18 @@ class Config:
     timeout: float | None = None
     trace: str | None = None  # path to write the full random-op trace to (for `rngcheck diff`)
     report_path: str | None = None  # where to write this rank's JSON report
+    ignore: tuple[IgnoreRule, ...] = ()  # known findings left out (counted as ignored)
 
     def __post_init__(self) -> None:
+        for name in ("trace", "report_path"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                    raise ValueError(
+                        f"{name} must be a file path (a str or os.PathLike), or None; got {value!r}"
+                    )
+                object.__setattr__(self, name, os.fspath(value))
+        object.__setattr__(self, "ignore", parse_ignore("ignore", self.ignore))
         validate_choice("expect", self.expect, EXPECTATIONS)
         validate_choice("sync", self.sync, SYNC_MODES)
         validate_choice("on_finding", self.on_finding, ON_FINDING)
@@ -56,3 +67,30 @@ class Config:
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+def unwritable(path: str, directory: bool = False) -> str:
+    """Why ``path`` (a file to write, or with ``directory`` a folder to write files in) can never
+    be written, or ``""`` when it can: the nearest part of it that exists must be a writable
+    folder (the rest is created), and a file path must not be a directory."""
+    path = os.path.abspath(path)
+    if not directory and os.path.isdir(path):
+        return f"{path} is a directory; give the path of a file to write"
+    existing = path if directory else os.path.dirname(path)
+    while not os.path.exists(existing):  # the nearest part that exists: it creates the rest
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"the folder {existing} is not writable by this process"
+    return ""
+
+
+def check_writable(name: str, path: str) -> None:
+    """Fail now, not after hours of training, when ``path`` can never be written."""
+    problem = unwritable(path)
+    if problem:
+        raise ValueError(
+            f"{name}={path!r} cannot be written: {problem}. Give a file path in a folder that "
+            "exists or can be created, and that this process can write"
+        )

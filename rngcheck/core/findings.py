@@ -5,6 +5,7 @@ them, the renderer draws them. They serialise to JSON (never pickle)."""
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +40,9 @@ class FindingKind(str, enum.Enum):
         return self.value
 
 
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Compact rank ranges the way torch's ``_summarize_ranks`` prints them: ``0:4,6``."""
+def format_ranks(ranks: Iterable[int], world_size: int = 0) -> str:
+    """Rank ranges a person reads at a glance: ``0-3,6``, with ``of 8`` when the world size is
+    known (``0-1 of 2``)."""
     ordered = sorted(set(ranks))
     if not ordered:
         return "-"
@@ -51,17 +53,21 @@ def format_ranks(ranks: Iterable[int]) -> str:
         if r is not None and r == prev + 1:
             prev = r
             continue
-        parts.append(str(start) if start == prev else f"{start}:{prev + 1}")
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
         if r is not None:
             start = prev = r
-    return ",".join(parts)
+    return ",".join(parts) + (f" of {world_size}" if world_size > 0 else "")
+
+
+# What varies between occurrences of one bug: state digests, counters, region numbers.
+_VARYING = re.compile(r"\b[0-9a-f]{16}\b|\d+")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Side:
     """One side of a comparison: the forward or the recompute, or a group of ranks."""
 
-    label: str  # "forward", "recompute", "ranks 0:3"
+    label: str  # "forward", "recompute", "majority", "outliers"
     ranks: tuple[int, ...] = ()
     event: RandomOpEvent | None = None  # the op this side ran at the point of divergence
     note: str = ""  # what this side did instead, when it ran no op there ("ran no random op")
@@ -105,6 +111,22 @@ class Finding:
     sides: tuple[Side, ...] = ()
     seq: int = -1  # the random op's sequence number
     context: tuple[RandomOpEvent, ...] = ()  # events around the finding, for saved reports
+    # One bug recurs at every step: its occurrences are counted on the first one's record.
+    count: int = 1  # occurrences of this finding (the same key)
+    first_step: int = 0  # the optimizer step of the first occurrence (1-based; 0: unknown)
+    last_step: int = 0  # and of the last
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What the finding is, not when it happened: its kind, op, the user's site on each side
+        and the cause, with digests and counters taken out (a bug that recurs every step, or in
+        every layer that shares one line, is one finding seen many times)."""
+        sides = tuple(
+            (s.label, s.event.op, s.event.site) if s.event is not None else (s.label, s.note)
+            for s in self.sides
+        )
+        cause = _VARYING.sub("#", self.cause)
+        return (self.kind.value, self.op, self.differs, self.ranks, self.site, sides, cause)
 
     @property
     def title(self) -> str:
@@ -133,6 +155,9 @@ class Finding:
             "sides": [s.to_dict() for s in self.sides],
             "seq": self.seq,
             "context": [e.to_dict() for e in self.context],
+            "count": self.count,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
         }
 
     @classmethod
@@ -151,6 +176,9 @@ class Finding:
             sides=tuple(Side.from_dict(s) for s in data.get("sides", [])),
             seq=int(data.get("seq", -1)),
             context=tuple(RandomOpEvent.from_dict(e) for e in data.get("context", [])),
+            count=int(data.get("count", 1)),
+            first_step=int(data.get("first_step", 0)),
+            last_step=int(data.get("last_step", 0)),
         )
 
 
@@ -193,13 +221,21 @@ class RNGCheckCoverageWarning(RNGCheckWarning):
 
 
 class RNGCheckError(RuntimeError):
-    """Raised for a finding when ``on_finding="raise"``; ``.finding`` carries the details."""
+    """Raised for a finding when ``on_finding="raise"``; ``.finding`` carries the details.
 
-    def __init__(self, finding: Finding) -> None:
+    When rngcheck drew the finding just before raising (``drawn``), the message is one line (kind,
+    op, site) pointing at the drawing, so the explanation is shown once; otherwise (no console,
+    another rank draws it) the message carries it all."""
+
+    def __init__(self, finding: Finding, drawn: bool = False) -> None:
         self.finding = finding
         where = f" at {finding.site}" if finding.stack.frames else ""
-        cause = f"\nLikely cause: {finding.cause}" if finding.cause else ""
-        super().__init__(f"{finding.title}: {finding.message}{where}{cause}")
+        if drawn:
+            text = f"{finding.kind.value}: {finding.op}{where} (rngcheck drew the finding above)"
+        else:
+            cause = f"\nLikely cause: {finding.cause}" if finding.cause else ""
+            text = f"{finding.title}: {finding.message}{where}{cause}"
+        super().__init__(text)
 
 
 class RankDivergenceError(RNGCheckError):
@@ -226,5 +262,5 @@ _ERRORS: dict[FindingKind, type[RNGCheckError]] = {
 }
 
 
-def error_for(finding: Finding) -> RNGCheckError:
-    return _ERRORS[finding.kind](finding)
+def error_for(finding: Finding, drawn: bool = False) -> RNGCheckError:
+    return _ERRORS[finding.kind](finding, drawn)

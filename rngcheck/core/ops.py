@@ -11,6 +11,8 @@ path reads (one dict lookup); registering an op updates that same table, also wh
 from __future__ import annotations
 
 import enum
+import math
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -117,13 +119,30 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _ARG_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
+def format_float(value: float) -> str:
+    """A float as a person wrote it: the shortest decimal that gives back the same float32 for a
+    value that is one (``0.1`` for float32's 0.10000000149011612, what a tensor's ``item()``
+    returns), else 15 significant digits (``-0.25`` for -0.24999999999999997: digits past the
+    15th are arithmetic noise, not intent). Inf and nan as Python writes them."""
+    if not math.isfinite(value) or value == int(value) and abs(value) < 1e15:
+        return repr(value)
+    if struct.unpack("f", struct.pack("f", value))[0] == value:  # a float32 value
+        for digits in range(1, 10):
+            text = f"{value:.{digits}g}"
+            if struct.unpack("f", struct.pack("f", float(text)))[0] == value:
+                return text
+    return f"{value:.15g}"
+
+
 def _describe_value(value: Any) -> str | None:
     if isinstance(value, torch.Tensor):
         dtype = _DTYPE_NAMES.get(value.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[value.dtype] = str(value.dtype).removeprefix("torch.")
         return f"{dtype}{list(value.shape)}"
-    if isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+    if isinstance(value, float):
+        return format_float(value)
+    if isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout)):
         return str(value).removeprefix("torch.") if not isinstance(value, str) else repr(value)
     if isinstance(value, (list, tuple)):
         if all(isinstance(v, (int, torch.SymInt)) for v in value):

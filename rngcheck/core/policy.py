@@ -3,13 +3,22 @@ and which ops to leave alone ("ignore"), scoped to a region of code with :func:`
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EXPECTATIONS", "Expectation", "current_expectation", "expect", "validate_choice"]
+__all__ = [
+    "EXPECTATIONS",
+    "Expectation",
+    "IgnoreRule",
+    "current_expectation",
+    "expect",
+    "parse_ignore",
+    "validate_choice",
+]
 
 EXPECTATIONS = ("same", "differ", "ignore")
 
@@ -66,3 +75,86 @@ def expect(policy: str, group: Any = None) -> Iterator[Expectation]:
         yield exp
     finally:
         stack.pop()
+
+
+# The kinds of finding (FindingKind's values; kept here so the policy does not import findings).
+FINDING_KINDS = ("rank_divergence", "rank_collision", "recompute_mismatch", "rank_missing")
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoreRule:
+    """A known finding to leave out of a run, by kind and/or the user's site: ``kind``,
+    ``kind@file.py:120``, ``@file.py:120`` or ``@path/to/file.py`` (any line of that file).
+    Ignored findings are counted in the report, never silently dropped."""
+
+    kind: str = ""  # "" matches every kind
+    file: str = ""  # "" matches every site; else a file name or the end of a path
+    line: int = 0  # 0: any line of ``file``
+
+    @property
+    def text(self) -> str:
+        where = f"@{self.file}" + (f":{self.line}" if self.line else "") if self.file else ""
+        return f"{self.kind}{where}"
+
+    def matches(self, kind: str, sites: Iterable[tuple[str, int]]) -> bool:
+        """Whether a finding of ``kind`` at any of ``sites`` ((filename, line) pairs) is this."""
+        if self.kind and self.kind != kind:
+            return False
+        if not self.file:
+            return True
+        for filename, line in sites:
+            if self.line and line != self.line:
+                continue
+            name = filename.replace(os.sep, "/")
+            if name == self.file or name.endswith("/" + self.file):
+                return True
+        return False
+
+
+_IGNORE_FORMAT = (
+    "KIND, KIND@FILE:LINE, @FILE:LINE or @FILE, where KIND is one of "
+    + ", ".join(FINDING_KINDS)
+    + " (e.g. recompute_mismatch@modeling_foo.py:120)"
+)
+
+
+def parse_ignore(name: str, value: Any) -> tuple[IgnoreRule, ...]:
+    """Ignore rules from a string (comma-separated) or a sequence of strings; a ValueError that
+    names ``name``, the bad entry and the expected form otherwise."""
+    if value is None:
+        return ()
+    items: list[Any]
+    if isinstance(value, str):
+        items = [v for v in (v.strip() for v in value.split(",")) if v]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(
+            f"{name} must be a string or a list of strings of the form {_IGNORE_FORMAT}; got "
+            f"{value!r}"
+        )
+    rules = []
+    for item in items:
+        if isinstance(item, IgnoreRule):
+            rules.append(item)
+            continue
+        rule = _parse_rule(item.strip()) if isinstance(item, str) else None
+        if rule is None:
+            raise ValueError(f"{name}: {item!r} is not a rule of the form {_IGNORE_FORMAT}")
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _parse_rule(text: str) -> IgnoreRule | None:
+    kind, at, where = text.partition("@")
+    kind = kind.strip()
+    if kind and kind not in FINDING_KINDS:
+        return None
+    if not at:
+        return IgnoreRule(kind=kind) if kind else None
+    file, colon, line = where.strip().rpartition(":")
+    if not colon or not line.isdigit():
+        file, line = where.strip(), "0"
+    if not file or (colon and not line.isdigit()):
+        return None
+    return IgnoreRule(kind=kind, file=file.replace(os.sep, "/"), line=int(line))

@@ -305,22 +305,19 @@ class Activation:
             os._exit(1)
 
     def _print_summary(self) -> None:
+        from ..output.render import print_finding, summary_line
+
         report = self.mode.report
         if self.mode.config.on_finding == "record" and report.findings:
-            from ..output.render import print_finding
-
             for f in report.findings:
                 if self._renders(f):
-                    print_finding(f, console=self.mode.console)
+                    print_finding(f, console=self.mode.console, world_size=report.world_size)
         if report.rank != 0 or self.stopped_by is not None:
             return
-        status = "no findings" if report.ok else f"{len(report.findings)} finding(s)"
         where = ""
         if self.settings.report_template:
             where = f"; reports: {self.settings.report_template} (read with `rngcheck show`)"
         if self.settings.trace_template:
             where += f"; trace: {self.settings.trace_template}"
-        ranks = f" on rank 0 of {report.world_size}" if report.world_size > 1 else ""
-        checked = f"{report.random_ops} random op(s) checked{ranks}"
-        sys.stderr.write(f"rngcheck: {checked}, {status}{where}\n")
+        sys.stderr.write(f"{summary_line(report)}{where}\n")
         sys.stderr.flush()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.config import ON_FINDING, SYNC_MODES
-from ..core.policy import EXPECTATIONS
+from ..core.policy import EXPECTATIONS, IgnoreRule, parse_ignore
 
 __all__ = [
     "OFF_VALUES",
@@ -90,6 +90,13 @@ def _path(name: str, raw: str) -> str:
         raise EnvError(f"{name} is set but empty: use a directory or a file path, or unset it")
     # Absolute now: the script may chdir before the report is written at exit.
     return os.path.abspath(os.path.expanduser(value))
+
+
+def _ignore(name: str, raw: str) -> tuple[IgnoreRule, ...]:
+    try:
+        return parse_ignore(name, raw)
+    except ValueError as e:
+        raise EnvError(str(e)) from None
 
 
 VARIABLES: dict[str, Variable] = {
@@ -179,6 +186,15 @@ VARIABLES: dict[str, Variable] = {
             parse=_positive_int,
         ),
         Variable(
+            name="RNGCHECK_IGNORE",
+            values="KIND, KIND@FILE:LINE, @FILE:LINE or @FILE, comma-separated",
+            default="unset: nothing ignored",
+            help="Leave known findings out, by kind and/or the user's line (e.g. "
+            "recompute_mismatch@modeling_foo.py:120). They are counted in the report and the "
+            "closing line as ignored, never dropped silently.",
+            parse=_ignore,
+        ),
+        Variable(
             name="RNGCHECK_WINDOW",
             values="a positive integer",
             default="4096",
@@ -252,6 +268,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "every_steps": every_steps,
         "window": values.get("RNGCHECK_WINDOW", 4096),
         "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
+        "ignore": values.get("RNGCHECK_IGNORE", ()),
         "report_path": _rank_path(report, rank, world_size, "rank{rank}.json") if report else None,
         "trace": _rank_path(trace, rank, world_size, "rank{rank}.trace.jsonl") if trace else None,
     }

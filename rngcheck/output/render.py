@@ -19,7 +19,15 @@ from ..core.findings import Finding, Side, format_ranks
 from ..core.stacks import Stack
 from .report import Report
 
-__all__ = ["format_finding", "format_report", "print_finding", "print_report", "render_finding"]
+__all__ = [
+    "format_finding",
+    "format_report",
+    "print_finding",
+    "print_repeats",
+    "print_report",
+    "render_finding",
+    "summary_line",
+]
 
 _MAX_FRAMES = 6  # user frames shown per side: the call site and a few callers
 
@@ -28,10 +36,24 @@ def _hex(d: int | None) -> str:
     return "-" if d is None else f"{d & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-def _side_label(side: Side) -> str:
+def _side_label(side: Side, world_size: int = 0) -> str:
     if side.ranks:
-        return f"{side.label} (ranks {format_ranks(side.ranks)})"
+        word = "rank" if len(side.ranks) == 1 else "ranks"
+        return f"{side.label} ({word} {format_ranks(side.ranks, world_size)})"
     return side.label
+
+
+def _steps(first: int, last: int) -> str:
+    if first <= 0:
+        return ""
+    return f", step {first}" if last in (first, 0) else f", steps {first} to {last}"
+
+
+def repeats_line(finding: Finding) -> str:
+    """How often a finding recurred: "seen 1000 times in all, steps 1 to 1000"."""
+    if finding.count <= 1:
+        return ""
+    return f"seen {finding.count} times in all{_steps(finding.first_step, finding.last_step)}"
 
 
 _ROWS = ("op", "generator", "arguments", "state before", "output", "call site")
@@ -53,12 +75,12 @@ def _event_cells(e: RandomOpEvent | None, note: str) -> list[str]:
     ]
 
 
-def _sides_table(sides: tuple[Side, ...]) -> Table:
+def _sides_table(sides: tuple[Side, ...], world_size: int) -> Table:
     """Sides as columns, fields as rows: two or three sides stay readable in a narrow terminal."""
-    table = Table(show_header=True, header_style="bold", expand=False, pad_edge=False)
+    table = Table(show_header=True, header_style="bold", expand=False)
     table.add_column("", style="bold", no_wrap=True)
     for side in sides:
-        table.add_column(_side_label(side), overflow="fold")
+        table.add_column(_side_label(side, world_size), overflow="fold")
     columns = [_event_cells(side.event, side.note) for side in sides]
     for i, row in enumerate(_ROWS):
         values = [col[i] for col in columns]
@@ -91,18 +113,24 @@ def _traceback(stack: Stack, title: str, message: str) -> Traceback | None:
             )
         ]
     )
-    return Traceback(trace=trace, extra_lines=1, max_frames=_MAX_FRAMES, width=100)
+    # As wide as the console (rich's default is 100 columns): long source lines stay whole.
+    return Traceback(
+        trace=trace, extra_lines=1, max_frames=_MAX_FRAMES, width=None, code_width=None
+    )
 
 
-def render_finding(finding: Finding) -> RenderableType:
+def render_finding(finding: Finding, world_size: int = 0) -> RenderableType:
     """A rich panel: what diverged, the likely cause, a table of the sides, and their call sites."""
     parts: list[RenderableType] = [Text(finding.message, style="bold")]
     if finding.cause:
         parts.append(Text.assemble(("Likely cause: ", "bold yellow"), finding.cause))
+    repeats = repeats_line(finding)
+    if repeats:
+        parts.append(Text.assemble(("Recurring: ", "bold"), repeats))
     if finding.sides:
-        parts.append(_sides_table(finding.sides))
+        parts.append(_sides_table(finding.sides, world_size))
     stacks: list[tuple[str, Stack, RandomOpEvent | None]] = [
-        (_side_label(s), s.stack, s.event) for s in finding.sides if s.event is not None
+        (_side_label(s, world_size), s.stack, s.event) for s in finding.sides if s.event is not None
     ] or [("call site", finding.stack, None)]
     for label, stack, event in stacks:
         tb = _traceback(stack, label, _caption(label, event, finding.op))
@@ -114,24 +142,28 @@ def render_finding(finding: Finding) -> RenderableType:
     return Panel(Group(*parts), title=title, border_style="red", title_align="left")
 
 
-def format_finding(finding: Finding) -> str:
+def format_finding(finding: Finding, world_size: int = 0) -> str:
     """The same content as plain text, for logs and non-terminal output."""
     lines = [f"rngcheck: {finding.title} [{finding.kind.value}]", f"  {finding.message}"]
     if finding.cause:
         lines.append(f"  Likely cause: {finding.cause}")
+    repeats = repeats_line(finding)
+    if repeats:
+        lines.append(f"  Recurring: {repeats}")
     for side in finding.sides:
+        label = _side_label(side, world_size)
         e = side.event
         if e is None:
-            lines.append(f"  {_side_label(side)}: {side.note or '-'}")
+            lines.append(f"  {label}: {side.note or '-'}")
             continue
         state = "served from cache" if e.cached else _hex(e.before)
         lines.append(
-            f"  {_side_label(side)}: {e.op}({', '.join(e.args)}) on {e.generator.label}, "
+            f"  {label}: {e.op}({', '.join(e.args)}) on {e.generator.label}, "
             f"state {state}, at {e.site}"
         )
-    stacks = [(_side_label(s), s.stack) for s in finding.sides if s.event is not None] or [
-        ("call site", finding.stack)
-    ]
+    stacks = [
+        (_side_label(s, world_size), s.stack) for s in finding.sides if s.event is not None
+    ] or [("call site", finding.stack)]
     for label, stack in stacks:
         frames = stack.user_frames[-_MAX_FRAMES:]
         if not frames:
@@ -148,23 +180,36 @@ def _default_console() -> Console:
     return Console(file=sys.stderr, stderr=True)
 
 
-def print_finding(finding: Finding, console: Console | None = None) -> None:
+def print_finding(finding: Finding, console: Console | None = None, world_size: int = 0) -> None:
     console = console or _default_console()
     if console.is_terminal:
-        console.print(render_finding(finding))
+        console.print(render_finding(finding, world_size))
     else:
-        console.print(format_finding(finding), markup=False, highlight=False, soft_wrap=True)
+        text = format_finding(finding, world_size)
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _summary(report: Report) -> str:
-    where = f"rank {report.rank} of {report.world_size}, " if report.world_size > 1 else ""
-    status = "no findings" if report.ok else f"{len(report.findings)} finding(s)"
-    return f"rngcheck: {where}{report.random_ops} random op(s) checked, {status}"
+def summary_line(report: Report) -> str:
+    """One line: what was checked and what was found, with true totals (repeats, findings not
+    kept, findings ignored)."""
+    where = f" on rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""
+    if report.ok:
+        status = "no findings"
+    else:
+        status = f"{report.distinct} finding(s)"
+        if report.occurrences > len(report.findings):
+            status += f" ({report.occurrences} occurrences)"
+        if report.findings_dropped:
+            status += f", {report.findings_dropped} of them not kept"
+    ignored = sum(report.ignored.values())
+    if ignored:
+        status += f", ignored: {ignored}"
+    return f"rngcheck: {report.random_ops} random op(s) checked{where}, {status}"
 
 
 def format_report(report: Report) -> str:
-    parts = [_summary(report)]
-    parts.extend(format_finding(f) for f in report.findings)
+    parts = [summary_line(report)]
+    parts.extend(format_finding(f, report.world_size) for f in report.findings)
     parts.extend(f"note: {n.message}" for n in report.notes)
     return "\n".join(parts)
 
@@ -173,10 +218,25 @@ def print_report(report: Report, console: Console | None = None) -> None:
     """Draw a whole report: its findings, then its notes, then one summary line."""
     console = console or _default_console()
     for finding in report.findings:
-        print_finding(finding, console)
+        print_finding(finding, console, report.world_size)
     for note in report.notes:
         if console.is_terminal:
             console.print(Panel(Text(note.message), title="rngcheck note", border_style="yellow"))
         else:
             console.print(f"note: {note.message}", markup=False, highlight=False, soft_wrap=True)
-    console.print(_summary(report), markup=False, highlight=False)
+    console.print(summary_line(report), markup=False, highlight=False)
+
+
+def print_repeats(report: Report, repeated: list[Finding], console: Console | None = None) -> None:
+    """At the end of a warned run: one line per finding that recurred after it was drawn."""
+    console = console or _default_console()
+    for f in repeated:
+        line = f"rngcheck: the {f.kind.value} at {f.site} ({f.op}) was {repeats_line(f)}"
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if report.findings_dropped:
+        console.print(
+            f"rngcheck: {report.findings_dropped} further distinct finding(s) were counted but "
+            "not kept or drawn",
+            markup=False,
+            highlight=False,
+        )

@@ -30,10 +30,22 @@ class Report:
     rank: int = 0
     world_size: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
+    findings_dropped: int = 0  # distinct findings past the kept ones: counted, not kept
+    ignored: dict[str, int] = field(default_factory=dict)  # ignore rule -> findings it left out
 
     @property
     def ok(self) -> bool:
-        return not self.findings
+        return not self.findings and not self.findings_dropped
+
+    @property
+    def distinct(self) -> int:
+        """Distinct findings, kept or not."""
+        return len(self.findings) + self.findings_dropped
+
+    @property
+    def occurrences(self) -> int:
+        """Every occurrence of the kept findings (a recurring bug counts each time it recurred)."""
+        return sum(f.count for f in self.findings)
 
     def raise_if_findings(self) -> None:
         """Raise the error of the first finding (the one a user should fix first), if any."""
@@ -51,6 +63,8 @@ class Report:
             "findings": [f.to_dict() for f in self.findings],
             "notes": [n.to_dict() for n in self.notes],
             "meta": dict(self.meta),
+            "findings_dropped": self.findings_dropped,
+            "ignored": dict(self.ignored),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -58,6 +72,11 @@ class Report:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
+        if not isinstance(data, dict) or "format" not in data:
+            raise ValueError(
+                'not an rngcheck report (JSON without rngcheck\'s "format" field); rngcheck '
+                "reads the reports written by report_path= or RNGCHECK_REPORT"
+            )
         if data.get("format") != REPORT_FORMAT:
             raise ValueError(
                 f"unsupported rngcheck report format {data.get('format')!r}; this rngcheck reads "
@@ -72,6 +91,8 @@ class Report:
             rank=int(data.get("rank", 0)),
             world_size=int(data.get("world_size", 1)),
             meta=dict(data.get("meta", {})),
+            findings_dropped=int(data.get("findings_dropped", 0)),
+            ignored={str(k): int(v) for k, v in data.get("ignored", {}).items()},
         )
 
     @classmethod

@@ -80,7 +80,12 @@ def load_runs(files: Sequence[str]) -> list[Run]:
             loaded.append((Report.load(path), path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             hint = " (a trace? use `rngcheck diff`)" if is_trace(path) else ""
-            raise ReportError(f"{path}: not a readable rngcheck report{hint}: {e}") from None
+            what = (
+                str(e)
+                if str(e).startswith("not an rngcheck report")
+                else (f"not a readable rngcheck report{hint}: {e}")
+            )
+            raise ReportError(f"{path}: {what}") from None
     runs: dict[str, Run] = {}
     for report, path in sorted(loaded, key=lambda rp: rp[0].rank):  # lowest rank speaks first
         run_id = str(report.meta.get("run_id") or path)
@@ -98,5 +103,5 @@ def is_trace(path: str) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
             return '"rngcheck-trace"' in f.readline()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return False

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from ..core.events import RandomOpEvent
@@ -10,17 +9,16 @@ from ..core.findings import Finding, FindingKind, Side
 
 __all__ = ["Region", "mismatch_finding"]
 
-_numbers = itertools.count(1)
-
 
 @dataclass(eq=False, slots=True, kw_only=True)
 class Region:
     """One checkpointed call: its forward's random ops and, once backward runs, its recompute's."""
 
-    number: int = field(default_factory=lambda: next(_numbers))
+    number: int = 0  # the mode's count of checkpointed calls (1 for its first)
     kind: str  # "non-reentrant", "reentrant", "custom" or "torch_xla"
     name: str = ""
     site: str  # "train.py:40": the user's line that entered the region
+    module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     devices: tuple[str, ...] = ()  # device types of the tensor arguments (what torch stashes)
     forward: list[RandomOpEvent] = field(default_factory=list)
@@ -30,11 +28,12 @@ class Region:
 
     def __post_init__(self) -> None:
         if not self.name:
-            self.name = f"checkpoint #{self.number}"
+            self.name = f"checkpoint #{self.number}" if self.number else "checkpoint"
 
     @property
     def title(self) -> str:
-        return f"{self.name} ({self.kind}) at {self.site}"
+        layer = f" of {self.module}" if self.module else ""
+        return f"{self.name} ({self.kind}){layer} at {self.site}"
 
     @property
     def custom(self) -> bool:

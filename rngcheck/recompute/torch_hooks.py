@@ -194,7 +194,13 @@ class Tracker(Protocol):
     recorded: int
 
     def new_region(
-        self, *, kind: str, preserve_rng_state: bool | None, args: tuple = (), name: str = ""
+        self,
+        *,
+        kind: str,
+        preserve_rng_state: bool | None,
+        args: tuple = (),
+        name: str = "",
+        function: Any = None,
     ) -> Region: ...
 
     def phase(self, region: Region, phase: Phase) -> Any: ...
@@ -269,6 +275,7 @@ class TorchCheckpointPatches:
             kind="non-reentrant",
             preserve_rng_state=call.preserve_rng_state,
             args=call.tensor_args,
+            function=call.fn,
         )
         fn = call.fn
 
@@ -301,7 +308,10 @@ class _ReentrantShim:
 
     def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
         region = self._tracker.new_region(
-            kind="reentrant", preserve_rng_state=bool(preserve_rng_state), args=args
+            kind="reentrant",
+            preserve_rng_state=bool(preserve_rng_state),
+            args=args,
+            function=function,
         )
         run = two_passes(self._tracker, region, function)
         return self._original.apply(run, preserve_rng_state, *args)

@@ -26,6 +26,7 @@ from ..core.events import Phase, RandomOpEvent
 from ..core.findings import Finding
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
+from .modules import ModuleNames
 from .region import Region, mismatch_finding
 from .torch_hooks import TorchCheckpointPatches
 
@@ -72,6 +73,7 @@ class RecomputeTracker:
         self.live = False
         # What was checked, for the report: regions entered, recomputes run, ops compared.
         self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0}
+        self._modules = ModuleNames()
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -111,14 +113,22 @@ class RecomputeTracker:
     # -- regions ----------------------------------------------------------------------------------
 
     def new_region(
-        self, *, kind: str, preserve_rng_state: bool | None, args: tuple = (), name: str = ""
+        self,
+        *,
+        kind: str,
+        preserve_rng_state: bool | None,
+        args: tuple = (),
+        name: str = "",
+        function: Any = None,
     ) -> Region:
         devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
         self.stats["regions"] += 1
         return Region(
+            number=self.stats["regions"],
             kind=kind,
             name=name,
             site=user_site(),
+            module=self._modules.describe(function) if function is not None else "",
             preserve_rng_state=preserve_rng_state,
             devices=tuple(devices),
         )
@@ -156,14 +166,20 @@ class RecomputeTracker:
                     region.truncated = True
             else:
                 region.recompute.append(event)
-                if not region.failed and event.expect != "ignore":
+                if not region.failed:
                     self._compare(region, len(region.recompute) - 1)
 
     # -- comparison ------------------------------------------------------------------------------
 
     def _compare(self, region: Region, k: int) -> None:
-        self.stats["compared_ops"] += 1
         r = region.recompute[k]
+        # Under expect("ignore") in the forward or in the recompute, an op is not compared (the
+        # backward that recomputes usually runs outside the block that scoped the forward).
+        if r.expect == "ignore" or (
+            k < len(region.forward) and region.forward[k].expect == "ignore"
+        ):
+            return
+        self.stats["compared_ops"] += 1
         if k >= len(region.forward):
             if region.truncated:
                 return
@@ -188,6 +204,8 @@ class RecomputeTracker:
             return
         k = len(region.recompute)
         f = region.forward[k]
+        if f.expect == "ignore":
+            return
         self._mismatch(
             region,
             k,

@@ -44,6 +44,7 @@ class _CheckpointFunctionShim:
             preserve_rng_state=bool(preserve_rng_state),
             args=args,
             name="torch_xla checkpoint",
+            function=function,
         )
         run = two_passes(self._tracker, region, function)
         owner = getattr(function, "__self__", None)

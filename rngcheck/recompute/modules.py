@@ -1,0 +1,81 @@
+"""Which layer a checkpointed call runs: the module's qualified name and class
+(``model.layers.3 (LlamaDecoderLayer)``), since every Hugging Face layer enters its checkpoint
+from the same line of the same wrapper and the line alone does not tell them apart."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModuleNames"]
+
+_MAX_UNWRAP = 8  # partials and bound methods around the module (HF: partial(super().__call__))
+_MAX_FRAMES = 64  # frames walked up to the outermost module of a forward
+
+
+class ModuleNames:
+    """Names of modules as the outermost module running them calls them (``named_modules()``),
+    found once per model and cached weakly: a region's name costs a dict lookup after the first
+    step."""
+
+    def __init__(self) -> None:
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def describe(self, function: Any) -> str:
+        """``"model.layers.3 (LlamaDecoderLayer)"`` when ``function`` is (a wrapper of) a module
+        or one of its methods; ``""`` when it is not."""
+        module = _module_of(function)
+        if module is None:
+            return ""
+        name = self._names.get(module)
+        if name is None:
+            self._learn(module)
+            name = self._names.setdefault(module, "")  # "": not in a model (asked once)
+        cls = type(module).__name__
+        return f"{name} ({cls})" if name else cls
+
+    def _learn(self, module: nn.Module) -> None:
+        """Name every module of the outermost module on the stack that contains ``module``."""
+        frame: Any = sys._getframe(2)
+        outer: list[nn.Module] = []
+        for _ in range(_MAX_FRAMES):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+            if isinstance(owner, nn.Module) and owner not in outer:
+                outer.append(owner)
+            frame = frame.f_back
+        for root in reversed(outer):  # the outermost first
+            if root in self._roots:
+                continue
+            found = False
+            for name, m in root.named_modules():
+                if m is module:
+                    found = True
+                self._names.setdefault(m, name)
+            self._roots.add(root)
+            if found:
+                return
+
+
+def _module_of(function: Any) -> nn.Module | None:
+    obj = function
+    for _ in range(_MAX_UNWRAP):
+        if isinstance(obj, nn.Module):
+            return obj
+        if isinstance(obj, functools.partial):
+            # partial(forward, self, ...): HF's layers pass the module as the first argument.
+            first = obj.args[0] if obj.args else None
+            obj = first if isinstance(first, nn.Module) else obj.func
+        elif hasattr(obj, "__self__"):  # a bound method: module.forward, super().__call__
+            obj = obj.__self__
+        elif hasattr(obj, "__wrapped__"):
+            obj = obj.__wrapped__
+        else:
+            return None
+    return None
