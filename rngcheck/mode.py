@@ -39,6 +39,7 @@ from .core.ops import (
     writes_first_argument,
 )
 from .core.policy import current_expectation
+from .core.schedule import StepSchedule
 from .core.seeding import SeedCallLog
 from .core.stacks import Stack, user_frame
 from .output.report import Report
@@ -46,6 +47,7 @@ from .output.sink import FindingSink
 from .output.trace import TraceFeed, write_trace
 from .recompute.compiled import CompiledRecomputes
 from .recompute.inferred import InferredRecomputes, driver_frame
+from .recompute.probe import StateProbe
 from .recompute.torch_hooks import checkpoint_frame_on_stack
 from .recompute.tracker import RecomputeTracker
 
@@ -56,7 +58,9 @@ log = logging.getLogger(__name__)
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
 _MAX_NOTE_SITES = 64
-_DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared")  # rebuilt per read
+# Rebuilt at every read of the report.
+_DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared", "step_level_drift")
+_PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -94,6 +98,13 @@ class RNGConsistencyMode:
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
         report_path: a path to write this rank's JSON report to at exit.
         console: a ``rich.console.Console`` to render findings on (default: stderr).
+        level: ``"op"`` (the default: every random op is intercepted and checked) or ``"step"``
+            (cheap enough to leave on for a long job: op by op on sampled steps only, the first
+            ``sample_first`` and then one in ``sample_every``, and from the step after any sign
+            of trouble; the other steps run with no dispatch mode and check generator states at
+            optimizer steps, across ranks, and at each checkpoint region's forward and recompute).
+        sample_every: with ``level="step"``, check one optimizer step in this many op by op.
+        sample_first: with ``level="step"``, check the first optimizer steps op by op.
         ignore: known findings to leave out, by kind and/or the user's site: a list of
             ``"recompute_mismatch@modeling_foo.py:120"``, ``"rank_divergence"`` or
             ``"@train.py:40"`` (any line of a file: ``"@train.py"``). They are counted in the
@@ -125,6 +136,9 @@ class RNGConsistencyMode:
         report_path: str | None = None,
         console: Any = None,
         ignore: Any = (),
+        level: str = "op",
+        sample_every: int = 100,
+        sample_first: int = 2,
         every: int | None = None,
     ) -> None:
         if every is not None:
@@ -147,6 +161,9 @@ class RNGConsistencyMode:
             trace=trace,
             report_path=report_path,
             ignore=ignore,
+            level=level,
+            sample_every=sample_every,
+            sample_first=sample_first,
         )
         if console is not None:
             from rich.console import Console
@@ -160,6 +177,7 @@ class RNGConsistencyMode:
         self._report = Report()
         # Random ops drawn by the end of each optimizer step (8 bytes a step): a finding's step.
         self._step_ends = array.array("q")
+        self._in_step_hook = False
         self._sink = FindingSink(
             self._report, on_finding, console, ignore=self.config.ignore, step=self._step_of
         )
@@ -180,6 +198,17 @@ class RNGConsistencyMode:
         self._pid = os.getpid()
         self._backward_sites: dict[str, list[Any]] = {}
         self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
+        # level="step": which steps run op by op, the checkpoint probe between them, and what
+        # the step level saw (escalations wished for here, drifts the ranks agreed on).
+        cfg = self.config
+        self._schedule = (
+            StepSchedule(cfg.sample_every, cfg.sample_first) if cfg.level == "step" else None
+        )
+        self._probe: StateProbe | None = None
+        self._probe_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+        self._want_escalation = False
+        self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
+        self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -216,6 +245,11 @@ class RNGConsistencyMode:
                     self._coverage_gap(gap)
                 self._inferred = InferredRecomputes(self._sink.emit, self.config.window)
                 self._compiled = CompiledRecomputes(self._sink.emit)
+                if self._schedule is not None:
+                    self._probe = StateProbe(
+                        self._probe_generators, self._sink.emit, self._request_escalation
+                    )
+                    self.recompute_tracker.probe = self._probe
             self._load_xla()
             self._ranks = self._start_ranks()
             if self.config.trace:
@@ -223,6 +257,8 @@ class RNGConsistencyMode:
             self._graph_hook.install()
             self._interceptor = Interceptor(self._on_special)
             self._interceptor.__enter__()
+            if self._schedule is not None:
+                self._schedule.start()
         except BaseException:
             self._teardown()
             raise
@@ -329,15 +365,89 @@ class RNGConsistencyMode:
         draws it, once)."""
         return self._sink.renders(finding)
 
-    def _on_step(self, *_: Any) -> None:
+    def _on_step(self, optimizer: Any, *_: Any) -> None:
+        """The one optimizer-step hook: the checks' step work, in one order on every rank."""
         self._step_ends.append(self._window.total)
-        if self._inferred is not None:
-            self._inferred.on_step()
+        self._in_step_hook = True  # what is found here belongs to the step that just ended
+        try:
+            if self._inferred is not None:
+                self._inferred.on_step()
+            if self._ranks is not None:
+                self._ranks.on_step(optimizer)
+            if self._schedule is not None and self._interceptor is not None:
+                self._next_step(self._schedule, self._interceptor)
+        finally:
+            self._in_step_hook = False
+
+    # -- level="step" ------------------------------------------------------------------------
+
+    def _next_step(self, schedule: StepSchedule, interceptor: Interceptor) -> None:
+        """Decide how the coming step is checked (the same on every rank) and switch to it."""
+        want, self._want_escalation = self._want_escalation, False
+        if self._ranks is not None:
+            verdict = self._ranks.step_level(
+                schedule.step, self._generators.tracked(), want, schedule.current_op_level
+            )
+            if verdict is not None and verdict.drifted and len(self._drifts) < _MAX_NOTE_SITES:
+                self._drifts.append(verdict.step)
+            schedule.escalate = verdict is not None and verdict.escalate
+        else:
+            verdict = None
+            schedule.escalate = want
+        op_level = schedule.advance()
+        if self._ranks is not None:
+            self._ranks.set_checking(op_level, verdict.drifted if verdict is not None else ())
+        if op_level:
+            if interceptor.suspended:
+                interceptor.resume()
+                self._after_gap()
+            if self._probe is not None:
+                self._probe.active = False
+            self._seeds.quiet = False
+        elif interceptor.suspend():
+            if self._probe is not None:
+                self._probe.active = True
+            self._seeds.quiet = True
+        else:
+            self._stuck_steps += 1  # another mode above ours: this step stays op by op
+
+    def _request_escalation(self) -> None:
+        """The checkpoint probe found a mismatch: check the next step op by op."""
+        self._want_escalation = True
+
+    def _after_gap(self) -> None:
+        """Back to op by op after unchecked steps: the generators moved unseen meanwhile. Their
+        last known state is kept only where a user's seeding call explains the change."""
+        for t in self._generators.tracked():
+            calls = self._seeds.since(t.seed_mark, t.ident.device)
+            if not any(not c.by_torch for c in calls):
+                t.last_after = None
+
+    def _probe_generators(self, devices: tuple[str, ...]) -> tuple[Any, ...]:
+        """The generators a checkpoint region can draw from: the defaults of the CPU and of the
+        region's devices, and the user generators used most recently (one tuple per device set
+        while the registry adds nothing)."""
+        registry = self._generators
+        key = (devices, registry.version)
+        found = self._probe_cache.get(key)
+        if found is None:
+            out: list[Any] = []
+            for device in ("cpu", *devices):
+                t = registry.default(torch.device(device))
+                if t is not None and t not in out:
+                    out.append(t)
+            found = tuple(out + registry.recent_users(_PROBED_USERS))
+            if len(self._probe_cache) > 64:
+                self._probe_cache.clear()
+            self._probe_cache[(devices, registry.version)] = found  # default() may have added
+        return found
 
     def _step_of(self, seq: int) -> int:
         """The optimizer step (1-based) that drew random op ``seq``; the current one for -1."""
         ends = self._step_ends
-        return len(ends) + 1 if seq < 0 else bisect.bisect_right(ends, seq) + 1
+        if seq < 0:
+            return len(ends) + (0 if self._in_step_hook else 1)
+        return bisect.bisect_right(ends, seq) + 1
 
     # -- results -------------------------------------------------------------------------------
 
@@ -367,6 +477,13 @@ class RNGConsistencyMode:
             r.meta["inferred_recompute"] = dict(self._inferred.stats)
         if self._compiled is not None and self._compiled.stats["forward_draws"]:
             r.meta["compiled"] = dict(self._compiled.stats)
+        if self._schedule is not None:
+            levels = self._schedule.summary()
+            if self._probe is not None:
+                levels["checkpoint_probe"] = dict(self._probe.stats)
+            levels["drifted_at_steps"] = list(self._drifts)
+            levels["stayed_op_level_steps"] = self._stuck_steps
+            r.meta["level"] = levels
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():
             notes.append(
@@ -385,6 +502,22 @@ class RNGConsistencyMode:
             )
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
+        if self._drifts:
+            steps = ", ".join(map(str, self._drifts[:8])) + (
+                ", ..." if len(self._drifts) > 8 else ""
+            )
+            notes.append(
+                Note(
+                    kind="step_level_drift",
+                    message=(
+                        f"generators drifted apart across ranks between sampled steps (seen at "
+                        f"step(s) {steps}); the following steps were checked op by op, where the "
+                        "op level judged them (a data-parallel program may draw per-rank amounts "
+                        "on purpose)."
+                    ),
+                    count=len(self._drifts),
+                )
+            )
         if self._sink.dropped:
             notes.append(
                 Note(
@@ -580,7 +713,7 @@ class RNGConsistencyMode:
         from compiled code cost what they cost without the checker), and what it drew is read as
         the generators' states before and after the call, like one random op."""
         interceptor = self._interceptor
-        if interceptor is None or os.getpid() != self._pid:
+        if interceptor is None or interceptor.suspended or os.getpid() != self._pid:
             return run()
         call = compiled_call(graph=graph) or CompiledCall(kind="forward", function=None, sources=())
         devices = {"cpu", *(getattr(graph, "device_types", ()) or ())}
@@ -612,6 +745,9 @@ class RNGConsistencyMode:
 
     def _record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
         """A random op that a selective-checkpoint cache answered without running it."""
+        interceptor = self._interceptor
+        if interceptor is not None and interceptor.suspended:
+            return  # between sampled steps: no op is recorded (the probe checks the region)
         tracked = self._tracked(args, kwargs, op_device(args, kwargs))
         if tracked is not None:
             event = self._event(

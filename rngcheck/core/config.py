@@ -10,10 +10,11 @@ from typing import Any
 
 from .policy import EXPECTATIONS, IgnoreRule, parse_ignore, validate_choice
 
-__all__ = ["ON_FINDING", "SYNC_MODES", "Config", "check_writable", "unwritable"]
+__all__ = ["LEVELS", "ON_FINDING", "SYNC_MODES", "Config", "check_writable", "unwritable"]
 
 ON_FINDING = ("raise", "warn", "record")
 SYNC_MODES = ("op", "step", "off")
+LEVELS = ("op", "step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +34,12 @@ class Config:
     trace: str | None = None  # path to write the full random-op trace to (for `rngcheck diff`)
     report_path: str | None = None  # where to write this rank's JSON report
     ignore: tuple[IgnoreRule, ...] = ()  # known findings left out (counted as ignored)
+    # "op": every random op is intercepted. "step": op by op on sampled steps only (the first
+    # ``sample_first``, then one in ``sample_every``, and the step after any sign of trouble);
+    # the other steps check generator states at optimizer steps and checkpoint regions.
+    level: str = "op"
+    sample_every: int = 100
+    sample_first: int = 2
 
     def __post_init__(self) -> None:
         for name in ("trace", "report_path"):
@@ -47,6 +54,9 @@ class Config:
         validate_choice("expect", self.expect, EXPECTATIONS)
         validate_choice("sync", self.sync, SYNC_MODES)
         validate_choice("on_finding", self.on_finding, ON_FINDING)
+        validate_choice("level", self.level, LEVELS)
+        _positive_int("sample_every", self.sample_every)
+        _positive_int("sample_first", self.sample_first)  # the op level learns the program
         if not isinstance(self.check_recompute, bool):
             raise ValueError(f"check_recompute must be True or False; got {self.check_recompute!r}")
         _positive_int("window", self.window)

@@ -35,6 +35,31 @@ class Interceptor(TorchDispatchMode):
     def __init__(self, on_special: OnSpecial) -> None:
         super().__init__()
         self._on_special = on_special
+        self.suspended = False  # off the dispatch stack between sampled steps (level="step")
+
+    def suspend(self) -> bool:
+        """Leave the dispatch stack until :meth:`resume` (ops then cost nothing here). Only from
+        the top of the stack: under another mode it stays, and returns False."""
+        if self.suspended:
+            return True
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self:
+            return False
+        super().__exit__(None, None, None)  # torch's own exit: its mode flags restored too
+        self.suspended = True
+        return True
+
+    def resume(self) -> None:
+        """Back on top of the dispatch stack."""
+        if self.suspended:
+            self.suspended = False
+            super().__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self.suspended:  # already off the stack
+            self.suspended = False
+            return
+        super().__exit__(exc_type, exc, tb)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

@@ -227,6 +227,20 @@ class _Tracked:
             return self._raw_digest
         return self.adapter.digest(handle)
 
+    def snapshot(self) -> bytes | int | None:
+        """The state now, only to compare with another snapshot of this generator: a CPU
+        generator's raw bytes (a copy, no hashing: about a microsecond), else its digest."""
+        handle = self.handle
+        if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
+            state = handle.get_state()
+            return bytes((ctypes.c_char * state.numel()).from_address(state.data_ptr()))
+        return self.adapter.digest(handle)
+
+    @staticmethod
+    def digest_of(snapshot: bytes | int | None) -> int | None:
+        """The digest a :meth:`snapshot` stands for (as :meth:`read` gives it)."""
+        return bytes_digest(snapshot) if isinstance(snapshot, bytes) else snapshot
+
 
 def _cdata(gen: Any) -> int | None:
     return getattr(gen, "_cdata", None)
@@ -247,6 +261,7 @@ class GeneratorRegistry:
         self._users: OrderedDict[int, _Tracked] = OrderedDict()
         self._user_count = 0
         self._max_users = max_users
+        self.version = 0  # changes whenever a generator is added (caches of the list key on it)
 
     def default(self, device: torch.device) -> _Tracked | None:
         name = _device_str(device)
@@ -258,6 +273,7 @@ class GeneratorRegistry:
             handle, adapter = found
             tracked = _Tracked(GeneratorId(kind="default", device=name), handle, adapter)
             self._defaults[name] = tracked
+            self.version += 1
         return tracked
 
     def user(self, gen: torch.Generator, origin: Callable[[], str]) -> _Tracked:
@@ -274,6 +290,7 @@ class GeneratorRegistry:
             kind="user", device=_device_str(gen.device), number=self._user_count, origin=origin()
         )
         tracked = _Tracked(ident, gen, _GENERATOR_ADAPTER)
+        self.version += 1
         if key is not None:
             self._users[key] = tracked
             if len(self._users) > self._max_users:
@@ -288,3 +305,10 @@ class GeneratorRegistry:
 
     def tracked(self) -> list[_Tracked]:
         return [*self._defaults.values(), *self._users.values()]
+
+    def recent_users(self, n: int) -> list[_Tracked]:
+        """The ``n`` user generators used most recently."""
+        users = self._users
+        if len(users) <= n:
+            return list(users.values())
+        return list(users.values())[-n:]

@@ -100,6 +100,9 @@ class SeedCallLog:
     def __init__(self, maxlen: int = 256) -> None:
         self._calls: deque[tuple[int, str, SeedCall]] = deque(maxlen=maxlen)
         self.counter = 0
+        # Between sampled steps (level="step") nothing reads the library's own calls (a
+        # checkpoint's stash and restore, twice a region): only the user's are kept then.
+        self.quiet = False
         self._depth = 0
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -135,10 +138,12 @@ class SeedCallLog:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
                 caller = sys._getframe(1).f_code.co_filename
-                self.counter += 1
                 by_torch = target.library or (
                     is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)
                 )
+                if by_torch and self.quiet:
+                    return original(*args, **kwargs)  # (what it calls is the library's too)
+                self.counter += 1
                 # The library's own calls (checkpoint's restore, fork_rng) are only ever named by
                 # their API in findings; capturing their stacks cost ~5 us twice per region.
                 call = SeedCall(

@@ -13,7 +13,7 @@ import os
 import sys
 import sysconfig
 from dataclasses import dataclass
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -96,13 +96,24 @@ class Frame:
         )
 
 
+_USER_CODE: dict[CodeType, bool] = {}  # code object -> is it the user's (one lookup a frame)
+
+
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
     """(filename, line) of the caller's innermost user frame, found by walking the live frames
-    (a couple of microseconds: no stack is captured or summarised)."""
+    (a microsecond or two: no stack is captured or summarised)."""
     frame: FrameType | None = sys._getframe(skip + 1)
+    known = _USER_CODE
     while frame is not None:
         code = frame.f_code
-        if not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS:
+        user = known.get(code)
+        if user is None:
+            if len(known) > 65536:  # generated code can make many code objects
+                known.clear()
+            user = known[code] = (
+                not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
+            )
+        if user:
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None

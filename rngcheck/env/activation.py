@@ -102,6 +102,11 @@ class Activation:
         if cfg.check_recompute:
             checks.append("checkpoint recomputes")
         what = " and ".join(checks) or "random ops (nothing to compare: one process, recompute off)"
+        if cfg.level == "step":
+            what += (
+                f" at the step level (op by op on the first {cfg.sample_first} steps, then one "
+                f"in {cfg.sample_every}, and after any sign of trouble)"
+            )
         where = (
             f"; reports: {self.settings.report_template}" if self.settings.report_template else ""
         )

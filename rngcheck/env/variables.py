@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.config import ON_FINDING, SYNC_MODES
+from ..core.config import LEVELS, ON_FINDING, SYNC_MODES
 from ..core.policy import EXPECTATIONS, IgnoreRule, parse_ignore
 
 __all__ = [
@@ -116,6 +116,29 @@ VARIABLES: dict[str, Variable] = {
             help="raise: stop at the first finding (rendered on stderr, non-zero exit); warn: "
             "render and go on; record: go on, render the findings at exit.",
             parse=_choice(ON_FINDING),
+        ),
+        Variable(
+            name="RNGCHECK_LEVEL",
+            values=", ".join(LEVELS),
+            default="op",
+            help="op: check every random op. step: cheap enough to leave on for a long job; op "
+            "by op on sampled steps and from the step after any sign of trouble, generator "
+            "states at optimizer steps and checkpoint regions in between.",
+            parse=_choice(LEVELS),
+        ),
+        Variable(
+            name="RNGCHECK_SAMPLE_EVERY",
+            values="a positive integer N",
+            default="100",
+            help="With level=step, check one optimizer step in N op by op.",
+            parse=_positive_int,
+        ),
+        Variable(
+            name="RNGCHECK_SAMPLE_FIRST",
+            values="a positive integer",
+            default="2",
+            help="With level=step, check the first optimizer steps op by op.",
+            parse=_positive_int,
         ),
         Variable(
             name="RNGCHECK_SYNC",
@@ -269,6 +292,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "window": values.get("RNGCHECK_WINDOW", 4096),
         "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
         "ignore": values.get("RNGCHECK_IGNORE", ()),
+        "level": values.get("RNGCHECK_LEVEL", "op"),
+        "sample_every": values.get("RNGCHECK_SAMPLE_EVERY", 100),
+        "sample_first": values.get("RNGCHECK_SAMPLE_FIRST", 2),
         "report_path": _rank_path(report, rank, world_size, "rank{rank}.json") if report else None,
         "trace": _rank_path(trace, rank, world_size, "rank{rank}.trace.jsonl") if trace else None,
     }

@@ -51,6 +51,7 @@ from .protocol import (
     gen_key,
     text_hash,
 )
+from .step_digest import StepDigests, StepVerdict, slot_of, slot_values
 
 __all__ = ["RankChecker"]
 
@@ -157,9 +158,12 @@ class RankChecker:
         # divergence that starts on one still shows at the next checked step (the states differ).
         self._steps = 0
         self._checking = True
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self._hook: Any = register_optimizer_step_post_hook(self._on_step)
+        # level="step": the mode decides which steps are checked op by op (set_checking), and
+        # every step exchanges its generators' digests (step_level).
+        self._digests: StepDigests | None = None
+        self._rebase: frozenset[int] = frozenset()
+        if self._cfg.level == "step":
+            self._digests = StepDigests(self._side)
         handle.identify(rank, world)
         self._publish()
 
@@ -202,12 +206,14 @@ class RankChecker:
     def finish(self) -> None:
         self._finished = True
         self._settle_due()
+        if self._digests is not None and not self._stopped:
+            # The last step's digest round, before the exit round (the same order everywhere).
+            self.step_level(self._steps + 1, [], False, False, post=False)
         self._exchange(Point.EXIT, "")
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._digests is not None:
+            self._digests.drop()
         self._dp.uninstall()
         if not (self._finished or self._stopped):
             # Leaving early (an exception in the block): tell the ranks that will wait for us.
@@ -230,14 +236,70 @@ class RankChecker:
             return True  # a local finding (a recompute mismatch): each rank draws its own
         return self.rank == min(finding.ranks)
 
-    def _on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def on_step(self, optimizer: Any) -> None:
+        """An optimizer step ended (the mode calls this, from its one step hook)."""
         self._dp.on_step()
         self._dp.refresh()
         self._settle_due()
         if self._checking and self._cfg.sync == "step":
             self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
         self._steps += 1
-        self._checking = self._steps % self._cfg.every_steps == 0
+        if self._digests is None:
+            self._checking = self._steps % self._cfg.every_steps == 0
+
+    def set_checking(self, checking: bool, rebase: tuple[int, ...] = ()) -> None:
+        """level="step": whether the coming step is checked op by op (the same on every rank).
+        ``rebase``: the digest slots that drifted apart between samples. Their generators
+        already differ as the step starts, so in it they are compared op for op (what ran, with
+        which arguments) but not by state: a rank that keeps drawing extra numbers is named at
+        its op and line, not at the first op that met the earlier difference."""
+        self._checking = checking
+        self._rebase = frozenset(rebase) if checking else frozenset()
+
+    def step_level(
+        self, step: int, generators: Any, escalate: bool, sampled: bool, post: bool = True
+    ) -> StepVerdict | None:
+        """level="step", at every optimizer step: post the digests of this step's ``generators``
+        (the mode's tracked ones) and this rank's wish to escalate; returns the verdict of the
+        previous step's round (the same on every rank), or None. A rank that does not arrive in
+        time is a rank_missing finding."""
+        digests = self._digests
+        if digests is None or self._stopped or self._side.group is None:
+            return None
+        finding = None
+        verdict = None
+        with self._lock:
+            self._busy = True
+            self._round += 1  # one numbering for every exchange (the store's arrival notes)
+            try:
+                with torch._C._DisableTorchDispatch(), torch.no_grad():
+                    if post:
+                        slots = slot_values(generators)
+                        verdict = digests.exchange(step, slots, escalate, sampled)
+                    else:
+                        verdict = digests.settle()
+            except PeerLost as e:
+                self._stopped = True
+                digests.drop()
+                sent = _Round(
+                    number=self._round,
+                    point=Point.OPTIMIZER_STEP,
+                    where=f"the step-level exchange of step {step}",
+                    rows=[],
+                    events=[],
+                    first_use=set(),
+                    uncompared={},
+                    vec=torch.zeros(1, dtype=torch.int64),
+                    parts={},
+                    stack=None,
+                )
+                finding = self._missing(sent, Point.OPTIMIZER_STEP, sent.where, e.__cause__ or e)
+            finally:
+                self._busy = False
+                self._publish()
+        if finding is not None:
+            self._handle.emit(finding)
+        return verdict
 
     # -- which rows are compared -----------------------------------------------------------------
 
@@ -272,11 +334,12 @@ class RankChecker:
         uncompared = self._uncompared.pop(gen, None)
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
+        rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
         row = Row(
             structure=text_hash(event.op, gen, *event.args),
             stream=stream,
-            before=event.before if event.before is not None else 0,
-            after=event.after if event.after is not None else 0,
+            before=event.before if event.before is not None and not rebased else 0,
+            after=event.after if event.after is not None and not rebased else 0,
             policy=code,
             generator=text_hash(gen),
         )
@@ -394,7 +457,8 @@ class RankChecker:
         self.stats.exchanges += 1
         init_rows = [i.row for i in init] if init is not None else None
         vec, parts = fast_vector(self._round, point, self._rows, self._whole_stream, init_rows)
-        pipelined = self._cfg.sync == "step" and point in PIPELINED
+        # level="step": a sampled step's round is judged at once (the next step may be unchecked)
+        pipelined = self._cfg.sync == "step" and point in PIPELINED and self._digests is None
         sent = _Round(
             number=self._round,
             point=point,

@@ -92,15 +92,24 @@ def _agree(
     mine = [-1] * world
     for r in domain or ():
         mine[r] = 1
-    settings = text_hash(cfg.sync, cfg.expect, str(cfg.every_ops), str(cfg.every_steps))
+    settings = text_hash(
+        cfg.sync,
+        cfg.expect,
+        str(cfg.every_ops),
+        str(cfg.every_steps),
+        cfg.level,
+        str(cfg.sample_every),
+        str(cfg.sample_first),
+    )
     t = torch.tensor([settings, *mine], dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(out, t, group=world_side)
     rows = [o.tolist() for o in out]
     if len({r[0] for r in rows}) > 1:
         raise ValueError(
-            "rngcheck needs the same sync, expect, every_ops and every_steps on every rank; the "
-            "ranks were started with different ones (check the RNGCHECK_* environment of each rank)"
+            "rngcheck needs the same sync, expect, every_ops, every_steps, level, sample_every and "
+            "sample_first on every rank; the ranks were started with different ones (check the "
+            "RNGCHECK_* environment of each rank)"
         )
     parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
     check_disjoint(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.events import RandomOpEvent
 from ..core.findings import Finding, FindingKind, Side
@@ -25,6 +26,8 @@ class Region:
     recompute: list[RandomOpEvent] = field(default_factory=list)
     failed: bool = False  # a mismatch was reported: do not report this region again
     truncated: bool = False
+    selective: bool = False  # selective checkpointing: a cache may answer ops in the recompute
+    probed: Any = None  # level="step": the forward's generator states at entry and exit
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -96,36 +96,69 @@ class NonReentrantCall:
     preserve_rng_state: bool
     context_fn: Callable[[], Any]
     tensor_args: tuple[Any, ...]
-    _bound: inspect.BoundArguments
+    _layout: _Layout
+    _args: tuple[Any, ...]
+    _kwargs: dict[str, Any]
 
     def call(self, original: Callable[..., Any], fn: Any, context_fn: Any) -> Any:
         """Call ``original`` with the same arguments but ``fn`` and ``context_fn`` replaced."""
-        arguments = self._bound.arguments
-        arguments["fn"] = fn
-        arguments["context_fn"] = context_fn
-        return original(*self._bound.args, **self._bound.kwargs)
+        args, kwargs = list(self._args), dict(self._kwargs)
+        for name, value in (("fn", fn), ("context_fn", context_fn)):
+            i = self._layout.position[name]
+            if i < len(args):
+                args[i] = value
+            else:
+                kwargs[name] = value
+        return original(*args, **kwargs)
 
 
-_SIGNATURES: dict[Any, inspect.Signature] = {}
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The entry's parameters before its ``*args`` (read once from its signature): a call is
+    read by position, as torch makes it, without ``inspect`` binding on every region."""
+
+    position: dict[str, int]
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, original: Callable[..., Any]) -> _Layout:
+        position: dict[str, int] = {}
+        defaults: dict[str, Any] = {}
+        for p in inspect.signature(original).parameters.values():
+            if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                break
+            position[p.name] = len(position)
+            if p.default is not inspect.Parameter.empty:
+                defaults[p.name] = p.default
+        for needed in ("fn", "preserve_rng_state", "context_fn"):
+            if needed not in position:
+                raise TypeError(f"{original!r} has no {needed!r} parameter before *args")
+        return cls(position, defaults)
+
+    def get(self, name: str, args: tuple, kwargs: dict) -> Any:
+        i = self.position[name]
+        if i < len(args):
+            return args[i]
+        return kwargs[name] if name in kwargs else self.defaults[name]
+
+
+_LAYOUTS: dict[Any, _Layout] = {}
 
 
 def bind_nonreentrant(original: Callable[..., Any], args: tuple, kwargs: dict) -> NonReentrantCall:
     """Read a call of the non-reentrant entry through its own signature (either torch layout)."""
-    sig = _SIGNATURES.get(original)
-    if sig is None:
-        sig = _SIGNATURES[original] = inspect.signature(original)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = bound.arguments
-    call_args = arguments.get("args", ())
-    if isinstance(call_args, dict):  # defensive: a layout that names its tuple differently
-        call_args = ()
+    layout = _LAYOUTS.get(original)
+    if layout is None:
+        layout = _LAYOUTS[original] = _Layout.of(original)
+    context_fn = layout.get("context_fn", args, kwargs)
     return NonReentrantCall(
-        fn=arguments["fn"],
-        preserve_rng_state=bool(arguments.get("preserve_rng_state", True)),
-        context_fn=arguments.get("context_fn", tuc.noop_context_fn),
-        tensor_args=tuple(call_args),
-        _bound=bound,
+        fn=layout.get("fn", args, kwargs),
+        preserve_rng_state=bool(layout.get("preserve_rng_state", args, kwargs)),
+        context_fn=context_fn if context_fn is not None else tuc.noop_context_fn,
+        tensor_args=tuple(args[len(layout.position) :]),
+        _layout=layout,
+        _args=args,
+        _kwargs=kwargs,
     )
 
 
@@ -284,6 +317,7 @@ class TorchCheckpointPatches:
                 return fn(*inner, **kw)
 
         context_fn = call.context_fn
+        region.selective = context_fn is not tuc.noop_context_fn
         if context_fn is not tuc.noop_context_fn and not torch.compiler.is_compiling():
             user_context_fn = context_fn
 

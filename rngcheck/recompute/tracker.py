@@ -15,9 +15,8 @@ cause worked out from what the two events and their out-of-band seeding calls sh
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +26,7 @@ from ..core.findings import Finding
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
 from .modules import ModuleNames
+from .probe import StateProbe
 from .region import Region, mismatch_finding
 from .torch_hooks import TorchCheckpointPatches
 
@@ -74,6 +74,7 @@ class RecomputeTracker:
         # What was checked, for the report: regions entered, recomputes run, ops compared.
         self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0}
         self._modules = ModuleNames()
+        self.probe: StateProbe | None = None  # level="step": generator states, between samples
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -133,28 +134,9 @@ class RecomputeTracker:
             devices=tuple(devices),
         )
 
-    @contextlib.contextmanager
-    def phase(self, region: Region, phase: Phase) -> Iterator[None]:
-        if not self.live:
-            yield
-            return
-        active = self._local.active
-        if phase is Phase.RECOMPUTE:
-            region.recompute = []
-            self.stats["recomputes"] += 1
-        else:
-            region.forward = []
-        entry = (region, phase)
-        active.append(entry)
-        try:
-            yield
-        finally:
-            _remove(active, entry)
-        # Only a recompute that ran to its end must have run every random op of the forward. A
-        # non-reentrant early stop leaves by _StopRecomputationError, and is a correct prefix;
-        # any other exception is the user's (or a raised finding) and skips this check too.
-        if phase is Phase.RECOMPUTE:
-            self._check_complete(region)
+    def phase(self, region: Region, phase: Phase) -> _PhaseBlock:
+        """A ``with`` block for one pass of ``region`` (a small class: it runs twice a region)."""
+        return _PhaseBlock(self, region, phase)
 
     def on_event(self, event: RandomOpEvent) -> None:
         """Record a random op in every active region of this thread; compare recomputes."""
@@ -235,6 +217,49 @@ class RecomputeTracker:
                 self._reported.clear()
             self._reported.add(r.seq)
         self._emit(mismatch_finding(region, k, f, r, differs, detail, cause))
+
+
+class _PhaseBlock:
+    """One pass of a region: its random ops are recorded (or, at the step level between samples,
+    its generators probed) while it runs."""
+
+    __slots__ = ("_tracker", "_region", "_phase", "_entry", "_states")
+
+    def __init__(self, tracker: RecomputeTracker, region: Region, phase: Phase) -> None:
+        self._tracker = tracker
+        self._region = region
+        self._phase = phase
+        self._entry: tuple[Region, Phase] | None = None
+        self._states: Any = None
+
+    def __enter__(self) -> None:
+        tracker, region, phase = self._tracker, self._region, self._phase
+        if not tracker.live:
+            return
+        if phase is Phase.RECOMPUTE:
+            region.recompute = []
+            tracker.stats["recomputes"] += 1
+        else:
+            region.forward = []
+        self._entry = entry = (region, phase)
+        tracker._local.active.append(entry)
+        probe = tracker.probe
+        if probe is not None and probe.active:
+            self._states = probe.enter(region, phase)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        entry = self._entry
+        if entry is None:
+            return
+        tracker = self._tracker
+        _remove(tracker._local.active, entry)
+        if self._states is not None and tracker.probe is not None:
+            tracker.probe.exit(self._region, self._phase, self._states, exc_type is None)
+        # Only a recompute that ran to its end must have run every random op of the forward. A
+        # non-reentrant early stop leaves by _StopRecomputationError, and is a correct prefix;
+        # any other exception is the user's (or a raised finding) and skips this check too.
+        if exc_type is None and self._phase is Phase.RECOMPUTE:
+            tracker._check_complete(self._region)
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:

@@ -1,0 +1,72 @@
+"""Which optimizer steps are checked op by op at ``level="step"``: the first ``sample_first``,
+then one in ``sample_every``, and the step after any sign of trouble (escalation), so a bug that
+recurs is named to its op and line. The same decisions on every rank: they depend on the step
+count and on escalations the ranks agreed on (the rank checker all-reduces the request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["StepSchedule"]
+
+_MAX_RANGES = 64  # op-level step ranges kept for the report (the first and the latest)
+
+
+@dataclass(slots=True)
+class StepSchedule:
+    """The level of each optimizer step. Step numbers count from 1; step ``n`` runs between the
+    ``n-1``-th and the ``n``-th ``optimizer.step()``."""
+
+    sample_every: int
+    sample_first: int
+    step: int = 1  # the step running now
+    current_op_level: bool = True  # whether it is checked op by op
+    escalate: bool = False  # asked for: the next step is checked op by op
+    escalations: int = 0
+    op_steps: int = 0  # steps checked op by op so far (the current one included)
+    _ranges: list[list[int]] = field(default_factory=list)  # op-level steps, as [first, last]
+    _dropped: int = 0
+
+    def op_level(self, step: int) -> bool:
+        return step <= self.sample_first or step % self.sample_every == 0
+
+    def start(self) -> None:
+        """The mode begins at step 1, op by op (it learns the program)."""
+        self.current_op_level = True
+        self._note(self.step)
+
+    def advance(self) -> bool:
+        """An optimizer step ended: move to the next step; True when it is checked op by op."""
+        self.step += 1
+        op = self.op_level(self.step) or self.escalate
+        if self.escalate:
+            self.escalations += 1
+            self.escalate = False
+        if op:
+            self._note(self.step)
+        self.current_op_level = op
+        return op
+
+    def _note(self, step: int) -> None:
+        self.op_steps += 1
+        if self._ranges and self._ranges[-1][1] == step - 1:
+            self._ranges[-1][1] = step
+            return
+        if len(self._ranges) >= _MAX_RANGES:  # keep the first ranges and the latest one
+            self._ranges.pop(_MAX_RANGES // 2)
+            self._dropped += 1
+        self._ranges.append([step, step])
+
+    def summary(self) -> dict[str, object]:
+        """For the report: which steps were checked how."""
+        return {
+            "level": "step",
+            "steps": self.step - 1,  # optimizer steps completed
+            "op_level": [f"{a}" if a == b else f"{a}-{b}" for a, b in self._ranges],
+            "op_level_ranges_not_listed": self._dropped,
+            "op_level_steps": self.op_steps,
+            "step_level_steps": self.step - self.op_steps,
+            "escalations": self.escalations,
+            "sample_first": self.sample_first,
+            "sample_every": self.sample_every,
+        }

@@ -1,0 +1,299 @@
+"""level="step": op by op on sampled steps only, generator states at optimizer steps and
+checkpoint regions in between. Quiet on correct real training (bitwise the same results), finds a
+recurring bug between samples and names its op and line at the step after (escalation). Real
+checkpointing, real optimizers, real gloo process groups, Hugging Face models from tiny configs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _recompute_util import marked_line
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import checkpoint
+
+import rngcheck
+
+_HERE = __file__
+STEP = {"level": "step", "on_finding": "record"}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.noise: torch.Generator | None = None  # set: the bug, a user generator inside
+        self.preserve = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.noise is not None:
+            return h * (torch.rand(h.shape, generator=self.noise) > 0.2)  # <- user generator
+        return F.dropout(h, 0.2)  # <- block dropout
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False, preserve_rng_state=b.preserve)
+        return x.sum()
+
+
+def _train(model: nn.Module, steps: int, data: torch.Generator, bug_at: int = 0, kind: str = ""):
+    """``steps`` optimizer steps; from step ``bug_at`` (1-based) the bug ``kind`` is in."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    stacks = []
+    for step in range(1, steps + 1):
+        if bug_at and step == bug_at:
+            for b in model.blocks:
+                if kind == "user generator":
+                    b.noise = data  # drawn in the forward, not restored for the recompute
+                else:
+                    b.preserve = False
+        x = torch.randn(4, 8, generator=data)  # the data generator: known from step 1
+        loss = model(x)
+        stacks.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, stacks
+
+
+def test_correct_training_is_quiet_bitwise_the_same_and_unintercepted_between_samples():
+    torch.manual_seed(0)
+    plain_model = Net()
+    plain, _ = _train(plain_model, 12, torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = Net()
+    with rngcheck.RNGConsistencyMode(sample_every=5, **STEP) as mode:
+        checked, stacks = _train(model, 12, torch.Generator().manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(plain, checked, strict=True))
+    assert mode.report.ok and not mode.report.notes, mode.report.notes
+    level = mode.report.meta["level"]
+    assert level["op_level"] == ["1-2", "5", "10"] and level["escalations"] == 0
+    assert level["checkpoint_probe"]["regions"] == 2 * 8 and level["checkpoint_probe"]["compared"]
+    # Sampled steps run under the dispatch mode; the others under none at all.
+    op_steps = {1, 2, 5, 10}
+    for step, stack in enumerate(stacks, 1):
+        assert stack == (["Interceptor"] if step in op_steps else []), (step, stack)
+    # Random ops are recorded on sampled steps only (4 dropouts and 1 data draw a step).
+    assert mode.report.random_ops == 4 * len(op_steps) + 4
+
+
+@pytest.mark.parametrize(
+    ("kind", "line", "cause"),
+    [
+        ("user generator", "user generator", "user generator: torch.utils.checkpoint stashes"),
+        ("preserve_rng_state=False", "block dropout", "preserve_rng_state=False, so default cpu"),
+    ],
+)
+def test_a_recompute_bug_between_samples_is_found_then_located_at_the_next_step(kind, line, cause):
+    torch.manual_seed(0)
+    model = Net()
+    with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
+        _train(model, 20, torch.Generator().manual_seed(1), bug_at=6, kind=kind)
+    found = {f.op: f for f in mode.report.findings}
+    assert set(found) == {"non-reentrant checkpoint", found_op(kind)}, list(found)
+    step_level = found["non-reentrant checkpoint"]
+    assert "(checked at the step level)" in step_level.message and cause in step_level.cause
+    assert "checkpoint #" in step_level.region and " of blocks." in step_level.region
+    # Found at step 6 between samples, and at every later unchecked step (counted, not drawn).
+    assert step_level.first_step == 6 and step_level.last_step == 20
+    # Escalated once: step 7 ran op by op and named the op, its line and the likely cause.
+    located = found[found_op(kind)]
+    assert (located.first_step, located.last_step, located.count) == (7, 7, 2)  # both blocks
+    file, lineno = marked_line(line)
+    assert located.site == f"{os.path.basename(file)}:{lineno}"
+    level = mode.report.meta["level"]
+    assert level["op_level"] == ["1-2", "7"] and level["escalations"] == 1
+
+
+def found_op(kind: str) -> str:
+    return "aten.rand.generator" if kind == "user generator" else "aten.bernoulli_.float"
+
+
+def test_selective_checkpointing_and_reentrant_checkpoints_stay_quiet():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):  # keep the mask's draw: the recompute skips it
+        if op is torch.ops.aten.rand.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    lin = nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+
+    def block(x):
+        h = lin(x)
+        return torch.relu(h * (torch.rand(h.shape) > 0.3))
+
+    torch.manual_seed(0)
+    with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
+        for _ in range(8):
+            x = torch.randn(4, 8)
+            sac = checkpoint(
+                block,
+                x,
+                use_reentrant=False,
+                context_fn=lambda: create_selective_checkpoint_contexts(policy),
+            )
+            reentrant = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=True)
+            (sac.sum() + reentrant.sum()).backward()
+            opt.step()
+    assert mode.report.ok, [f.message for f in mode.report.findings]
+    probe = mode.report.meta["level"]["checkpoint_probe"]
+    assert probe["regions"] == 2 * 6 and probe["compared"] >= 6
+
+
+_hf = None
+
+
+def _load_hf() -> Any:
+    return pytest.importorskip("_hf", reason="needs transformers (requirements-models.txt)")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hugging_face_training_at_the_step_level(family, reentrant):
+    hf = _load_hf()
+    torch.manual_seed(0)
+    model = hf.build(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with rngcheck.RNGConsistencyMode(sample_every=4, **STEP) as mode:
+        hf.train(model, family, steps=6)
+    assert mode.report.ok and not mode.report.notes, [f.message for f in mode.report.findings]
+    probe = mode.report.meta["level"]["checkpoint_probe"]
+    assert probe["regions"] and probe["compared"]  # the layers' dropout was probed and compared
+    # The same model with preserve_rng_state=False: found at step 1 (op by op) and counted at
+    # every later step by the probe, which escalates nothing the op level already named.
+    torch.manual_seed(0)
+    model = hf.build(family)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant, "preserve_rng_state": False}
+    )
+    with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
+        hf.train(model, family, steps=6)
+    ops = {f.op: f for f in mode.report.findings}
+    kind = "reentrant" if reentrant else "non-reentrant"
+    assert f"{kind} checkpoint" in ops, list(ops)
+    step_level = ops[f"{kind} checkpoint"]
+    assert (step_level.first_step, step_level.last_step) == (3, 6)
+    op_level = [f for op, f in ops.items() if op != f"{kind} checkpoint"]
+    assert op_level and op_level[0].first_step == 1
+    assert mode.report.meta["level"]["op_level"] == ["1-2", "4"]  # one escalation, at step 3
+
+
+# -- across ranks (2 gloo ranks: scenarios run in one launch) -----------------------------------
+
+
+def _dist_mode(**kwargs: Any) -> Any:
+    import io
+
+    import rich.console
+
+    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
+    return rngcheck.RNGConsistencyMode(console=console, timeout=20, **STEP, **kwargs)
+
+
+def _summary(mode: Any) -> dict[str, Any]:
+    report = mode.report
+    return {
+        "findings": [
+            {
+                "kind": f.kind.value,
+                "op": f.op,
+                "site": f.site,
+                "first_step": f.first_step,
+                "seq": f.seq,
+                "message": f.message,
+            }
+            for f in report.findings
+        ],
+        "notes": [n.kind for n in report.notes],
+        "level": report.meta.get("level", {}),
+    }
+
+
+def ddp_dropout_variable_lengths(rank: int, world: int) -> dict[str, Any]:
+    """Correct data parallelism whose ranks draw per-rank amounts (their batches differ in length,
+    dropout draws per element): never a finding, and no escalation at every step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    with _dist_mode(sample_every=5) as mode:
+        model = DDP(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+        for step in range(10):
+            x = torch.randn(8, 8, generator=data)[: 4 + rank + step % 2]  # lengths differ
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return _summary(mode)
+
+
+def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
+    """Replicated training (gradients averaged by hand): from step 6 rank 1 draws one extra
+    number every step. Between samples the generator digests drift apart; the rank finding
+    names the op and line op by op two steps later (the digest round settles at the next step)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    line = 0
+    with _dist_mode(sample_every=1000) as mode:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(1, 13):
+            model(torch.ones(4, 8)).sum().backward()
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            if step >= 6 and rank == 1:
+                line = sys._getframe().f_lineno + 1
+                torch.rand(1)  # one rank draws one extra number, every step from step 6
+            opt.step()
+            opt.zero_grad()
+    return {**_summary(mode), "line": line}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    names = ["ddp_dropout_variable_lengths", "replicated_extra_draw_from_step_6"]
+    return run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path_factory.mktemp("two"))
+
+
+@pytest.mark.slow
+def test_per_rank_amounts_under_ddp_stay_quiet_at_the_step_level(two: Any) -> None:
+    for rank, r in two["ddp_dropout_variable_lengths"].items():
+        assert "error" not in r, r.get("traceback")
+        assert r["findings"] == [] and "step_level_drift" not in r["notes"], (rank, r)
+        assert r["level"]["op_level"] == ["1-2", "5", "10"] and r["level"]["escalations"] == 0
+
+
+@pytest.mark.slow
+def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(two: Any) -> None:
+    results = two["replicated_extra_draw_from_step_6"]
+    line = results[1]["line"]
+    for r in results.values():
+        assert "error" not in r, r.get("traceback")
+        (finding,) = r["findings"]
+        assert finding["kind"] == "rank_divergence" and finding["op"] == "aten.rand.default"
+        assert finding["site"] == f"test_step_level.py:{line}", finding
+        assert r["level"]["drifted_at_steps"] == [6]
+        # Drift seen at step 6 (settled at step 7's hook): step 8 ran op by op and located it.
+        assert r["level"]["op_level"] == ["1-2", "8"] and finding["first_step"] == 8, r
+        assert "step_level_drift" in r["notes"]
