@@ -4,11 +4,12 @@
 .venv/bin/python -m benchmarks --quick              # seconds: the smoke test's configuration
 .venv/bin/python -m benchmarks --json results.json  # also the raw numbers
 .venv/bin/python -m benchmarks --skip ranks,memory  # one process only
+.venv/bin/python -m benchmarks --skip single,compiled,ranks,memory  # the GPT-2 section only
 """
 
 import sys
 
-from . import compiled, distributed, memory, overhead
+from . import compiled, distributed, gpt2, memory, overhead
 from .common import cli
 
 sys.exit(
@@ -17,6 +18,7 @@ sys.exit(
         {
             "single": overhead.section,
             "compiled": compiled.section,
+            "gpt2": gpt2.section,
             "ranks": distributed.section,
             "memory": memory.section,
         },

@@ -35,6 +35,8 @@ __all__ = [
     "Mode",
     "Model",
     "Timings",
+    "SAMPLE_EVERY",
+    "amortised",
     "budget_table",
     "ratio_table",
     "cli",
@@ -138,6 +140,7 @@ class Mode:
     name: str
     enter: Callable[[Model], contextlib.AbstractContextManager[Any]]
     label: str = ""
+    warmup: int = 1  # untimed steps after entering (level="step": past its first, sampled ones)
 
 
 MODES: dict[str, Mode] = {
@@ -147,6 +150,14 @@ MODES: dict[str, Mode] = {
         Mode("noop", lambda _m: _NoOpMode(), "no-op TorchDispatchMode (floor)"),
         Mode("rngcheck", _rngcheck(), "rngcheck, defaults"),
         Mode("rngcheck-op", _rngcheck(sync="op"), 'rngcheck, sync="op"'),
+        # Between samples: sample_every is out of reach here; the amortised cost of one sampled
+        # step in SAMPLE_EVERY is computed from the defaults' row (budgets()).
+        Mode(
+            "rngcheck-step",
+            _rngcheck(level="step", sample_every=10**9),
+            'rngcheck, level="step" (between samples)',
+            warmup=3,
+        ),
         Mode("debugmode", lambda _m: _debug_mode_hashes(), "DebugMode + log_tensor_hashes()"),
         Mode("ckpt-debug", _checkpoint_debug, "checkpoint(debug=True)"),
     )
@@ -154,6 +165,13 @@ MODES: dict[str, Mode] = {
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+SAMPLE_EVERY = 100  # level="step"'s default: one step in this many is checked op by op
+
+
+def amortised(step_ratio: float, op_ratio: float, every: int = SAMPLE_EVERY) -> float:
+    """The long-run cost of level="step" from its between-samples cost and the op level's: one
+    step in ``every`` runs op by op."""
+    return ((every - 1) * step_ratio + op_ratio) / every
 
 
 @dataclass(slots=True)
@@ -204,7 +222,7 @@ def interleave(
         shift = r % len(modes)
         for m in modes[shift:] + modes[:shift]:
             with m.enter(model):
-                for _ in range(warmup):
+                for _ in range(max(warmup, m.warmup)):
                     step()
                 if barrier is not None:
                     barrier()
@@ -288,16 +306,18 @@ def budget_table(items: list[Budget]) -> str:
 def ratio_table(
     first: str,
     labels: dict[str, str],
-    results: dict[int, Timings],
+    results: dict[Any, Timings],
     base: str,
     plain: bool = False,
 ) -> str:
-    """Rows: modes (name -> label); per width: median step time, ratio to ``base`` (wall and
-    CPU), and with ``plain`` the ratio to plain training."""
+    """Rows: modes (name -> label); per width (an int key, ``d=32``; a str key is its own
+    heading): median step time, ratio to ``base`` (wall and CPU), and with ``plain`` the ratio
+    to plain training."""
     header = [first]
     for d in results:
-        header += [f"d={d} ms", f"d={d} / {base}", f"d={d} / {base} (CPU)"]
-        header += [f"d={d} / plain"] if plain else []
+        w = f"d={d}" if isinstance(d, int) else str(d)
+        header += [f"{w} ms", f"{w} / {base}", f"{w} / {base} (CPU)"]
+        header += [f"{w} / plain"] if plain else []
     rows = []
     for name, label in labels.items():
         row = [label]

@@ -47,8 +47,8 @@ __all__ = [
     "timing_table",
 ]
 
-RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op")
-_RNGCHECK_MODES = ("rngcheck", "rngcheck-op")
+RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "rngcheck-step")
+_RNGCHECK_MODES = ("rngcheck", "rngcheck-op", "rngcheck-step")
 
 
 def _stats(mode: Any) -> dict[str, int]:
@@ -203,9 +203,13 @@ def _timings(result: dict[str, Any]) -> dict[int, Timings]:
 
 
 def budgets(result: dict[str, Any]) -> list[Budget]:
-    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x."""
+    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x, level="step"
+    within 1.05x of plain training."""
+    from .overhead import step_level_budgets
+
     out = []
     for d, t in _timings(result).items():
+        out += step_level_budgets(f"2 ranks, d={d}", t)
         for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
             if name in t.modes:
                 out.append(

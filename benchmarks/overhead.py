@@ -14,8 +14,10 @@ import torch
 from .common import (
     CLOCKS,
     MODES,
+    SAMPLE_EVERY,
     Budget,
     Timings,
+    amortised,
     budget_table,
     cli,
     interleave,
@@ -25,7 +27,15 @@ from .common import (
 
 __all__ = ["budgets", "main", "run", "section", "table", "to_json"]
 
-SINGLE_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "debugmode", "ckpt-debug")
+SINGLE_MODES = (
+    "plain",
+    "noop",
+    "rngcheck",
+    "rngcheck-op",
+    "rngcheck-step",
+    "debugmode",
+    "ckpt-debug",
+)
 
 
 def run(
@@ -47,10 +57,12 @@ def table(results: dict[int, Timings], base: str = "noop") -> str:
 
 
 def budgets(results: dict[int, Timings]) -> list[Budget]:
-    """The single-process budgets: defaults within 1.10x of the no-op mode, and at most half of
-    DebugMode's extra time over plain training."""
+    """The single-process budgets: defaults within 1.10x of the no-op mode, at most half of
+    DebugMode's extra time over plain training, and level="step" within 1.05x of plain training
+    (between samples, and amortised over one sampled step in SAMPLE_EVERY)."""
     out = []
     for d, t in results.items():
+        out += step_level_budgets(f"d={d}", t)
         if {"rngcheck", "noop"} <= set(t.modes):
             out.append(
                 Budget(
@@ -65,6 +77,25 @@ def budgets(results: dict[int, Timings]) -> list[Budget]:
                 for c in CLOCKS
             }
             out.append(Budget(f"d={d}: extra time, rngcheck / DebugMode with hashes", extra, 0.5))
+    return out
+
+
+def step_level_budgets(what: str, t: Timings) -> list[Budget]:
+    """level="step" against plain training (not the dispatch-mode floor): between samples, and
+    amortised with the op level's cost on one step in SAMPLE_EVERY."""
+    if not {"rngcheck-step", "plain"} <= set(t.modes):
+        return []
+    between = {c: t.ratio("rngcheck-step", "plain", c) for c in CLOCKS}
+    out = [Budget(f'{what}: level="step" between samples / plain', between, 1.05)]
+    if "rngcheck" in t.modes:
+        op = {c: t.ratio("rngcheck", "plain", c) for c in CLOCKS}
+        out.append(
+            Budget(
+                f'{what}: level="step", 1 step in {SAMPLE_EVERY} op by op / plain',
+                {c: amortised(between[c], op[c]) for c in CLOCKS},
+                1.05,
+            )
+        )
     return out
 
 

@@ -384,13 +384,20 @@ class RNGConsistencyMode:
     def _next_step(self, schedule: StepSchedule, interceptor: Interceptor) -> None:
         """Decide how the coming step is checked (the same on every rank) and switch to it."""
         want, self._want_escalation = self._want_escalation, False
-        if self._ranks is not None:
+        sampled = schedule.current_op_level
+        # Across ranks: every ``every_steps``-th step (each step by default) and every sampled
+        # one (the baseline); the same steps on every rank.
+        if self._ranks is not None and (sampled or schedule.step % self.config.every_steps == 0):
             verdict = self._ranks.step_level(
-                schedule.step, self._generators.tracked(), want, schedule.current_op_level
+                schedule.step, self._generators.tracked(), want, sampled
             )
             if verdict is not None and verdict.drifted and len(self._drifts) < _MAX_NOTE_SITES:
                 self._drifts.append(verdict.step)
             schedule.escalate = verdict is not None and verdict.escalate
+        elif self._ranks is not None:  # escalating is agreed on: ask at the next exchange
+            verdict = None
+            self._want_escalation = want
+            schedule.escalate = False
         else:
             verdict = None
             schedule.escalate = want

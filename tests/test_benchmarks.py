@@ -31,6 +31,7 @@ def test_single_process_and_memory_tables(tmp_path):
         "no-op TorchDispatchMode (floor)",
         "rngcheck, defaults",
         'rngcheck, sync="op"',
+        'rngcheck, level="step" (between samples)',
         "DebugMode + log_tensor_hashes()",
         "checkpoint(debug=True)",
         "compiled step",
@@ -39,7 +40,12 @@ def test_single_process_and_memory_tables(tmp_path):
         assert f"| {label} |" in out
     assert "compiled step under rngcheck / compiled step" in out
     assert "rngcheck defaults / no-op mode" in out
+    assert 'd=8: level="step", 1 step in 100 op by op / plain' in out
     assert "| random ops seen | events kept |" in out
+    # GPT-2 from a tiny config, when transformers is installed (the main lane installs it).
+    pytest.importorskip("transformers")
+    assert "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |" in out
+    assert 'GPT-2 (tiny config): level="step" between samples / plain' in out
 
     raw = json.loads((tmp_path / "r.json").read_text())
     assert [len(block) for block in raw["single"]["8"]["rngcheck"]["samples"]] == [2, 2]
@@ -53,5 +59,7 @@ def test_two_rank_timing_and_exchange_tables():
     out = _run("--skip", "single,memory")
     assert "| mode (2 ranks, DDP over gloo) |" in out
     assert "| rngcheck, defaults |" in out
+    assert '| rngcheck, level="step" (between samples) |' in out
+    assert '2 ranks, d=8: level="step" between samples / plain' in out
     assert '| 2 | sync="step" |' in out
     assert '| 2 | sync="op" |' in out

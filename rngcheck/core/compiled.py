@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .stacks import Frame
+from .stacks import Frame, is_user_code
 
 __all__ = ["CompiledCall", "CompiledGraphHook", "compiled_call"]
 
@@ -114,6 +114,8 @@ def compiled_call(skip: int = 1, graph: Any = None) -> CompiledCall | None:
         if frame is None:
             break
         code = frame.f_code
+        if is_user_code(code):
+            break  # compiled code runs no user frame between its draw and its runtime wrapper
         if graph is None and code.co_name == "__call__":
             owner = frame.f_locals.get("self")
             if type(owner).__name__ == "CompiledFxGraph":

@@ -99,21 +99,26 @@ class Frame:
 _USER_CODE: dict[CodeType, bool] = {}  # code object -> is it the user's (one lookup a frame)
 
 
+def is_user_code(code: CodeType) -> bool:
+    """Whether frames running ``code`` are the user's (one dict lookup once it is known)."""
+    known = _USER_CODE
+    user = known.get(code)
+    if user is None:
+        if len(known) > 65536:  # generated code can make many code objects
+            known.clear()
+        user = known[code] = (
+            not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
+        )
+    return user
+
+
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
     """(filename, line) of the caller's innermost user frame, found by walking the live frames
     (a microsecond or two: no stack is captured or summarised)."""
     frame: FrameType | None = sys._getframe(skip + 1)
-    known = _USER_CODE
     while frame is not None:
         code = frame.f_code
-        user = known.get(code)
-        if user is None:
-            if len(known) > 65536:  # generated code can make many code objects
-                known.clear()
-            user = known[code] = (
-                not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
-            )
-        if user:
+        if is_user_code(code):
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None

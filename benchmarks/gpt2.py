@@ -1,0 +1,87 @@
+"""A Hugging Face GPT-2 from a tiny config (2 layers, width 64, dropout 0.1, gradient
+checkpointing on): plain training, the no-op dispatch mode, rngcheck at the op level and at the
+step level, interleaved in one run. Needs transformers (requirements-models.txt).
+
+.venv/bin/python -m benchmarks.gpt2            # a minute or two
+.venv/bin/python -m benchmarks.gpt2 --quick    # seconds
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .common import CLOCKS, MODES, Budget, Timings, budget_table, cli, interleave, ratio_table
+
+__all__ = ["make_gpt2_step", "run", "section"]
+
+GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-step")
+
+
+def make_gpt2_step(
+    layers: int = 2, width: int = 64, batch: int = 8, length: int = 32
+) -> tuple[Any, Callable[[], None]] | None:
+    """The model and one training step (forward, backward, SGD step), or None without
+    transformers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        vocab_size=256,
+        n_positions=length,
+        n_embd=width,
+        n_layer=layers,
+        n_head=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    return model, step
+
+
+def run(rounds: int, steps: int) -> Timings | None:
+    torch.set_num_threads(1)
+    made = make_gpt2_step()
+    if made is None:
+        return None
+    model, step = made
+    return interleave([MODES[m] for m in GPT2_MODES], model, step, rounds=rounds, steps=steps)
+
+
+def budgets(t: Timings) -> list[Budget]:
+    from .overhead import step_level_budgets
+
+    return step_level_budgets("GPT-2 (tiny config)", t)
+
+
+def section(quick: bool) -> tuple[str, dict[str, Any]]:
+    rounds, steps = (2, 2) if quick else (15, 10)
+    t = run(rounds, steps)
+    title = f"### Hugging Face GPT-2, tiny config ({rounds} interleaved rounds x {steps} steps)"
+    if t is None:
+        return f"{title}\n\nSkipped: transformers is not installed.", {}
+    labels = {m: MODES[m].label for m in GPT2_MODES}
+    table = ratio_table("mode", labels, {"GPT-2": t}, "plain")
+    text = "\n\n".join([title, table, budget_table(budgets(t))])
+    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in GPT2_MODES}
+    return text, raw
+
+
+if __name__ == "__main__":
+    sys.exit(cli(__doc__ or "", section))
