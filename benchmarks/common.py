@@ -158,6 +158,12 @@ MODES: dict[str, Mode] = {
             'rngcheck, level="step" (between samples)',
             warmup=3,
         ),
+        Mode(
+            "rngcheck-step-10",
+            _rngcheck(level="step", sample_every=10**9, every_steps=10),
+            'rngcheck, level="step", every_steps=10 (between samples)',
+            warmup=3,
+        ),
         Mode("debugmode", lambda _m: _debug_mode_hashes(), "DebugMode + log_tensor_hashes()"),
         Mode("ckpt-debug", _checkpoint_debug, "checkpoint(debug=True)"),
     )

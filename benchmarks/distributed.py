@@ -47,8 +47,8 @@ __all__ = [
     "timing_table",
 ]
 
-RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "rngcheck-step")
-_RNGCHECK_MODES = ("rngcheck", "rngcheck-op", "rngcheck-step")
+RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
+_RNGCHECK_MODES = ("rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
 
 
 def _stats(mode: Any) -> dict[str, int]:

@@ -87,6 +87,11 @@ def step_level_budgets(what: str, t: Timings) -> list[Budget]:
         return []
     between = {c: t.ratio("rngcheck-step", "plain", c) for c in CLOCKS}
     out = [Budget(f'{what}: level="step" between samples / plain', between, 1.05)]
+    if "rngcheck-step-10" in t.modes:
+        spaced = {c: t.ratio("rngcheck-step-10", "plain", c) for c in CLOCKS}
+        out.append(
+            Budget(f'{what}: level="step", every_steps=10, between samples / plain', spaced, 1.05)
+        )
     if "rngcheck" in t.modes:
         op = {c: t.ratio("rngcheck", "plain", c) for c in CLOCKS}
         out.append(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,33 @@ def test_a_recorded_run_under_rngcheck_1_draws_the_bug_once_with_its_count(tmp_p
     (finding,) = Report.load(saved).findings
     assert (finding.count, finding.first_step, finding.last_step) == (300, 1, 300)
     assert finding.region.startswith("checkpoint #1 (non-reentrant) of Block at ")
+
+
+def test_rngcheck_ignore_and_the_level_variables_are_read_and_validated_for_every_route():
+    from rngcheck.env import EnvError, settings_from_env
+
+    env = {
+        "RNGCHECK": "1",
+        "RNGCHECK_IGNORE": "recompute_mismatch@modeling_foo.py:120, @train.py",
+        "RNGCHECK_LEVEL": "step",
+        "RNGCHECK_SAMPLE_EVERY": "50",
+    }
+    kwargs = settings_from_env(env).mode_kwargs
+    assert [r.text for r in kwargs["ignore"]] == [
+        "recompute_mismatch@modeling_foo.py:120",
+        "@train.py",
+    ]
+    assert (kwargs["level"], kwargs["sample_every"], kwargs["sample_first"]) == ("step", 50, 2)
+    mode = rngcheck.RNGConsistencyMode(**kwargs)  # what RNGCHECK=1 starts
+    assert mode.config.level == "step" and len(mode.config.ignore) == 2
+    for name, value, says in (
+        ("RNGCHECK_IGNORE", "boom@x.py", "'boom@x.py' is not a rule of the form KIND"),
+        (
+            "RNGCHECK_LEVEL",
+            "sometimes",
+            "RNGCHECK_LEVEL='sometimes' is not valid: use one of op, step",
+        ),
+        ("RNGCHECK_SAMPLE_EVERY", "0", "RNGCHECK_SAMPLE_EVERY='0' is not valid"),
+    ):
+        with pytest.raises(EnvError, match=re.escape(says)):
+            settings_from_env({"RNGCHECK": "1", name: value})

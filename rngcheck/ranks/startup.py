@@ -65,25 +65,6 @@ def start(handle: CheckerHandle) -> RankChecker | None:
     return checker
 
 
-def _group_timeout() -> tuple[float, str]:
-    """The default process group's own timeout: the one torch.distributed's collectives would
-    give up at anyway, so a rank that is slow but within it (saving a checkpoint, evaluating)
-    is never reported missing. (``Backend.options._timeout``, the same on torch 2.9 to 2.14.)"""
-    group = dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            seconds = group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - no backend for that device, or another layout
-            continue
-        if seconds > 0:
-            return seconds, "the process group"
-    try:
-        default = dist.distributed_c10d._get_default_timeout(dist.get_backend())
-        return default.total_seconds(), "torch.distributed's default"
-    except Exception:  # noqa: BLE001 - a torch without the helper
-        return 1800.0, "torch.distributed's default"
-
-
 def _agree(
     world_side: Any, cfg: Any, domain: tuple[int, ...] | None, world: int
 ) -> tuple[list[tuple[int, ...]], torch.Tensor]:

@@ -43,6 +43,7 @@ __all__ = [
     "HOOKS",
     "TORCH_VERSION",
     "CheckpointHooks",
+    "FunctionShim",
     "TorchCheckpointPatches",
     "bind_nonreentrant",
     "checkpoint_frame_on_stack",
@@ -280,7 +281,7 @@ class TorchCheckpointPatches:
                 self._patch(owner, name, nonreentrant)
         reentrant = getattr(tuc, HOOKS.reentrant, None)
         if reentrant is not None:
-            self._patch(tuc, HOOKS.reentrant, _ReentrantShim(self._tracker, reentrant))
+            self._patch(tuc, HOOKS.reentrant, FunctionShim(self._tracker, reentrant))
 
     def uninstall(self) -> None:
         saved, self._saved = self._saved, []
@@ -330,8 +331,12 @@ class TorchCheckpointPatches:
             yield from inner
 
 
-class _ReentrantShim:
-    """Stands in for ``CheckpointFunction`` so ``checkpoint(use_reentrant=True)`` is tracked."""
+class FunctionShim:
+    """Stands in for an autograd ``CheckpointFunction`` (torch's reentrant checkpoint, torch_xla's)
+    so that its first call of the function is a region's forward and later calls recomputes."""
+
+    kind = "reentrant"
+    name = ""
 
     def __init__(self, tracker: Tracker, original: Any) -> None:
         self._tracker = tracker
@@ -340,14 +345,19 @@ class _ReentrantShim:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._original, name)
 
-    def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+    def passes(self, function: Callable[..., Any], preserve: bool, args: tuple) -> Any:
+        """``function`` wrapped for a new region (see :func:`two_passes`)."""
         region = self._tracker.new_region(
-            kind="reentrant",
-            preserve_rng_state=bool(preserve_rng_state),
+            kind=self.kind,
+            preserve_rng_state=bool(preserve),
             args=args,
+            name=self.name,
             function=function,
         )
-        run = two_passes(self._tracker, region, function)
+        return two_passes(self._tracker, region, function)
+
+    def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+        run = self.passes(function, preserve_rng_state, args)
         return self._original.apply(run, preserve_rng_state, *args)
 
 

@@ -17,36 +17,26 @@ from typing import Any
 
 import torch
 
-from .torch_hooks import Tracker, two_passes
+from .torch_hooks import FunctionShim, Tracker
 
 __all__ = ["XlaCheckpointPatch"]
 
 _CHECKPOINT_MODULE = "torch_xla.utils.checkpoint"
 
 
-class _CheckpointFunctionShim:
-    """Stands in for torch_xla's ``CheckpointFunction``: marks forward and recompute passes."""
+class _CheckpointFunctionShim(FunctionShim):
+    """Stands in for torch_xla's ``CheckpointFunction``: marks forward and recompute passes.
 
-    def __init__(self, tracker: Tracker, original: Any) -> None:
-        self._tracker = tracker
-        self._original = original
+    Kind "torch_xla": torch_xla restores the XLA seed of the default device itself, not the
+    generators of the arguments' devices as torch.utils.checkpoint does; a recompute that
+    continues the forward's seed is blamed on a missing XLA seed restore (the bug of pytorch/xla
+    PR 4690), not on a Megatron-style named stream."""
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._original, name)
+    kind = "torch_xla"
+    name = "torch_xla checkpoint"
 
     def apply(self, function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-        # kind "torch_xla": torch_xla restores the XLA seed of the default device itself, not
-        # the generators of the arguments' devices as torch.utils.checkpoint does; a recompute
-        # that continues the forward's seed is blamed on a missing XLA seed restore (the bug of
-        # pytorch/xla PR 4690), not on a Megatron-style named stream.
-        region = self._tracker.new_region(
-            kind="torch_xla",
-            preserve_rng_state=bool(preserve_rng_state),
-            args=args,
-            name="torch_xla checkpoint",
-            function=function,
-        )
-        run = two_passes(self._tracker, region, function)
+        run = self.passes(function, preserve_rng_state, args)
         owner = getattr(function, "__self__", None)
         if inspect.ismethod(function) and isinstance(owner, torch.nn.Module):
             # torch_xla's backward puts the module's weights and buffers into the recompute's
