@@ -76,17 +76,36 @@ def _an_unknown_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_hooks, "HOOKS", moved)
 
 
-def test_an_internals_change_is_a_loud_warning_and_a_report_note(monkeypatch):
-    _an_unknown_torch(monkeypatch)
+def _a_changed_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that keeps the entry point's name but reads its call differently (as 2.14 did):
+    rngcheck must leave it unwrapped, not crash the user's checkpoint."""
+    entry = getattr(tuc, torch_hooks.HOOKS.nonreentrant)
+
+    def entry_with_a_new_signature(*everything, **named):
+        return entry(*everything, **named)
+
+    monkeypatch.setattr(tuc, torch_hooks.HOOKS.nonreentrant, entry_with_a_new_signature)
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (_an_unknown_torch, "_a_name_torch_no_longer_has"),
+        (_a_changed_signature, "no 'fn' parameter"),
+    ],
+    ids=["name-gone", "signature-changed"],
+)
+def test_an_internals_change_is_a_loud_warning_and_a_report_note(monkeypatch, change, said):
+    change(monkeypatch)
     with (
         pytest.warns(rngcheck.RNGCheckCoverageWarning) as caught,
         rngcheck.RNGConsistencyMode(on_finding="record") as mode,
     ):
-        _dropout_region(reentrant=False)
+        _dropout_region(reentrant=False)  # runs, unchecked, on the user's torch
     texts = [str(w.message) for w in caught]
-    # Once at the start (the missing name), once at the first unseen region: never per op.
+    # Once at the start (what changed), once at the first unseen region: never per op.
     assert len(texts) == 2, texts
-    assert "_a_name_torch_no_longer_has" in texts[0] and torch.__version__ in texts[0]
+    assert said in texts[0] and torch.__version__ in texts[0]
     assert "did not see begin" in texts[1] and "not compared" in texts[1]
     notes = [n for n in mode.report.notes if n.kind == "not_checked"]
     assert len(notes) == 2

@@ -105,8 +105,8 @@ class NonReentrantCall:
         """Call ``original`` with the same arguments but ``fn`` and ``context_fn`` replaced."""
         args, kwargs = list(self._args), dict(self._kwargs)
         for name, value in (("fn", fn), ("context_fn", context_fn)):
-            i = self._layout.position[name]
-            if i < len(args):
+            i = self._layout.position.get(name)
+            if i is not None and i < len(args):
                 args[i] = value
             else:
                 kwargs[name] = value
@@ -115,32 +115,53 @@ class NonReentrantCall:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """The entry's parameters before its ``*args`` (read once from its signature): a call is
-    read by position, as torch makes it, without ``inspect`` binding on every region."""
+    """The entry's parameters (read once from its signature), so a call is read by position or
+    name as torch makes it, without ``inspect`` binding on every region. Both torch layouts:
+    up to 2.13 ``(fn, preserve_rng_state=True, context_fn=..., ..., *args, **kwargs)``; from
+    2.14 ``(fn, args, kwargs, *, preserve_rng_state=True, context_fn=..., ...)``."""
 
-    position: dict[str, int]
+    position: dict[str, int]  # parameters a call may pass by position
     defaults: dict[str, Any]
+    varargs_at: int | None  # where ``*args`` (the region's inputs) starts, when the entry has one
 
     @classmethod
     def of(cls, original: Callable[..., Any]) -> _Layout:
+        P = inspect.Parameter
         position: dict[str, int] = {}
         defaults: dict[str, Any] = {}
+        named: set[str] = set()
+        varargs_at: int | None = None
         for p in inspect.signature(original).parameters.values():
-            if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
-                break
-            position[p.name] = len(position)
-            if p.default is not inspect.Parameter.empty:
+            if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD):
+                position[p.name] = len(position)
+            elif p.kind is P.VAR_POSITIONAL:
+                varargs_at = len(position)
+                continue
+            elif p.kind is P.VAR_KEYWORD:
+                continue
+            named.add(p.name)
+            if p.default is not P.empty:
                 defaults[p.name] = p.default
-        for needed in ("fn", "preserve_rng_state", "context_fn"):
-            if needed not in position:
-                raise TypeError(f"{original!r} has no {needed!r} parameter before *args")
-        return cls(position, defaults)
+        wanted = ("fn", "preserve_rng_state", "context_fn") + (() if varargs_at else ("args",))
+        for needed in wanted:
+            if needed not in named:
+                raise TypeError(
+                    f"{original!r} has no {needed!r} parameter: torch's checkpoint entry changed "
+                    f"its signature to {inspect.signature(original)}"
+                )
+        return cls(position, defaults, varargs_at)
 
     def get(self, name: str, args: tuple, kwargs: dict) -> Any:
-        i = self.position[name]
-        if i < len(args):
+        i = self.position.get(name)
+        if i is not None and i < len(args):
             return args[i]
         return kwargs[name] if name in kwargs else self.defaults[name]
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+        """The region's input arguments."""
+        if self.varargs_at is not None:
+            return tuple(args[self.varargs_at :])
+        return tuple(self.get("args", args, kwargs))
 
 
 _LAYOUTS: dict[Any, _Layout] = {}
@@ -156,7 +177,7 @@ def bind_nonreentrant(original: Callable[..., Any], args: tuple, kwargs: dict) -
         fn=layout.get("fn", args, kwargs),
         preserve_rng_state=bool(layout.get("preserve_rng_state", args, kwargs)),
         context_fn=context_fn if context_fn is not None else tuc.noop_context_fn,
-        tensor_args=tuple(args[len(layout.position) :]),
+        tensor_args=layout.inputs(args, kwargs),
         _layout=layout,
         _args=args,
         _kwargs=kwargs,
@@ -272,6 +293,15 @@ class TorchCheckpointPatches:
                 "these checkpoint regions begin, so their recomputes are not compared"
             )
         original = getattr(tuc, HOOKS.nonreentrant, None)
+        if original is not None and original not in _LAYOUTS:
+            try:
+                _LAYOUTS[original] = _Layout.of(original)
+            except TypeError as e:  # a torch whose entry reads its call differently
+                self.gaps.append(
+                    f"torch {torch.__version__}: {e}; rngcheck cannot read these checkpoint "
+                    "regions, so their recomputes are not compared"
+                )
+                original = None
         if original is not None:
 
             def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
