@@ -37,7 +37,7 @@ import enum
 import hashlib
 import struct
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -112,7 +112,8 @@ class ExchangeStats:
     mismatches: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        # Published at every exchange: dataclasses.asdict (a deepcopy per field) cost ~150 us.
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 def _h62(data: bytes) -> int:
