@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -209,6 +210,12 @@ class RNGConsistencyMode:
         self._want_escalation = False
         self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
         self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
+        # A training step ends at a step of the lead optimizer (see _on_step).
+        self._lead: weakref.ReferenceType[Any] | None = None
+        # A level switch held back while a checkpointed forward waits for its recompute:
+        # (op level, rebased slots), applied at the next optimizer step with none waiting.
+        self._postponed: tuple[bool, tuple[int, ...]] | None = None
+        self._postponements = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -366,7 +373,20 @@ class RNGConsistencyMode:
         return self._sink.renders(finding)
 
     def _on_step(self, optimizer: Any, *_: Any) -> None:
-        """The one optimizer-step hook: the checks' step work, in one order on every rank."""
+        """The one optimizer-step hook: the checks' step work, in one order on every rank.
+
+        A training step ends at a step of the lead optimizer: the first one seen to step (the
+        next one to step once it is gone). A program that steps several optimizers per
+        iteration (Muon beside AdamW, a GAN's two networks, a wrapper around an inner
+        optimizer) runs one training step per iteration, not one per optimizer."""
+        lead = self._lead() if self._lead is not None else None
+        if lead is None:
+            self._lead = weakref.ref(optimizer)
+        elif optimizer is not lead:
+            if self._postponed is not None and not self._regions_waiting():
+                postponed, self._postponed = self._postponed, None
+                self._switch(*postponed)
+            return
         self._step_ends.append(self._window.total)
         self._in_step_hook = True  # what is found here belongs to the step that just ended
         try:
@@ -402,8 +422,28 @@ class RNGConsistencyMode:
             verdict = None
             schedule.escalate = want
         op_level = schedule.advance()
+        drifted = verdict.drifted if verdict is not None else ()
+        # A switch now would split a checkpointed forward from its recompute (a GAN steps its
+        # discriminator between them): held back to the next optimizer step, once at most.
+        held, self._postponed = self._postponed, None
+        if held is None and op_level is interceptor.suspended and self._regions_waiting():
+            self._postponed = (op_level, drifted)
+            self._postponements += 1
+            return
+        self._switch(op_level, drifted)
+
+    def _regions_waiting(self) -> bool:
+        tracker = self.recompute_tracker
+        return tracker is not None and tracker.waiting()
+
+    def _switch(self, op_level: bool, drifted: tuple[int, ...]) -> None:
+        """Check the coming steps op by op (``op_level``) or by generator states; ``drifted``:
+        the digest slots the ranks found drifted apart."""
+        interceptor = self._interceptor
+        if interceptor is None:
+            return
         if self._ranks is not None:
-            self._ranks.set_checking(op_level, verdict.drifted if verdict is not None else ())
+            self._ranks.set_checking(op_level, drifted)
         if op_level:
             if interceptor.suspended:
                 interceptor.resume()
@@ -490,6 +530,8 @@ class RNGConsistencyMode:
                 levels["checkpoint_probe"] = dict(self._probe.stats)
             levels["drifted_at_steps"] = list(self._drifts)
             levels["stayed_op_level_steps"] = self._stuck_steps
+            # Switches held back while a checkpointed forward waited for its recompute.
+            levels["postponed_switches"] = self._postponements
             r.meta["level"] = levels
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._backward_sites.items():

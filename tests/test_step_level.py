@@ -48,9 +48,24 @@ class Net(nn.Module):
         return x.sum()
 
 
-def _train(model: nn.Module, steps: int, data: torch.Generator, bug_at: int = 0, kind: str = ""):
-    """``steps`` optimizer steps; from step ``bug_at`` (1-based) the bug ``kind`` is in."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def _train(
+    model: nn.Module,
+    steps: int,
+    data: torch.Generator,
+    bug_at: int = 0,
+    kind: str = "",
+    optimizers: int = 1,
+):
+    """``steps`` training steps; from step ``bug_at`` (1-based) the bug ``kind`` is in.
+    ``optimizers=2``: the blocks' parameters split between SGD and AdamW, both stepped after
+    backward (as Muon beside AdamW): still one training step per iteration."""
+    opts = [torch.optim.SGD(model.parameters(), lr=0.01)]
+    if optimizers == 2:
+        first, second = model.blocks
+        opts = [
+            torch.optim.SGD(first.parameters(), lr=0.01),
+            torch.optim.AdamW(second.parameters(), lr=0.01),
+        ]
     losses = []
     stacks = []
     for step in range(1, steps + 1):
@@ -64,8 +79,9 @@ def _train(model: nn.Module, steps: int, data: torch.Generator, bug_at: int = 0,
         loss = model(x)
         stacks.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         losses.append(loss.detach())
     return losses, stacks
 
@@ -98,11 +114,16 @@ def test_correct_training_is_quiet_bitwise_the_same_and_unintercepted_between_sa
         ("preserve_rng_state=False", "block dropout", "preserve_rng_state=False, so default cpu"),
     ],
 )
-def test_a_recompute_bug_between_samples_is_found_then_located_at_the_next_step(kind, line, cause):
+@pytest.mark.parametrize("optimizers", [1, 2])
+def test_a_recompute_bug_between_samples_is_found_then_located_at_the_next_step(
+    kind, line, cause, optimizers
+):
     torch.manual_seed(0)
     model = Net()
     with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
-        _train(model, 20, torch.Generator().manual_seed(1), bug_at=6, kind=kind)
+        _train(
+            model, 20, torch.Generator().manual_seed(1), bug_at=6, kind=kind, optimizers=optimizers
+        )
     found = {f.op: f for f in mode.report.findings}
     assert set(found) == {"non-reentrant checkpoint", found_op(kind)}, list(found)
     step_level = found["non-reentrant checkpoint"]
@@ -154,6 +175,68 @@ def test_selective_checkpointing_and_reentrant_checkpoints_stay_quiet():
     assert mode.report.ok, [f.message for f in mode.report.findings]
     probe = mode.report.meta["level"]["checkpoint_probe"]
     assert probe["regions"] == 2 * 6 and probe["compared"] >= 6
+
+
+def _gan(reentrant: bool, bug: bool, critic_steps: int, **config: Any) -> rngcheck.Report:
+    """A GAN's iterations: the generator's checkpointed forward, ``critic_steps`` steps of the
+    discriminator (the lead optimizer: it steps first), then the generator's backward (its
+    recompute) and step. ``bug``: a user generator inside the checkpointed block."""
+    torch.manual_seed(0)
+    gen_net, disc = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt_g = torch.optim.SGD(gen_net.parameters(), lr=0.01)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.01)
+    noise = torch.Generator().manual_seed(3)
+
+    def block(z):
+        h = gen_net(z)
+        if bug:
+            return h * (torch.rand(h.shape, generator=noise) > 0.3)  # <- gan noise
+        return F.dropout(h, 0.3)
+
+    with rngcheck.RNGConsistencyMode(**{**STEP, **config}) as mode:
+        for _ in range(9):
+            z = torch.randn(4, 8, requires_grad=reentrant)
+            fake = checkpoint(block, z, use_reentrant=reentrant)
+            for _ in range(critic_steps):
+                opt_d.zero_grad()
+                disc(fake.detach()).mean().backward()
+                opt_d.step()
+            opt_g.zero_grad()
+            (-disc(fake).mean()).backward()
+            opt_g.step()
+    return mode.report
+
+
+REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+
+
+@REENTRANT
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "user-generator"])
+def test_a_gan_steps_two_optimizers_per_iteration_and_splits_forward_from_recompute(reentrant, bug):
+    """One training step per iteration (the lead optimizer's), and a level switch due at the
+    discriminator's step waits for the generator's recompute: every recompute is compared the
+    way its forward was watched, and the bug is located at an op-level step."""
+    report = _gan(reentrant, bug, critic_steps=1, sample_first=1, sample_every=3)
+    counts, level = report.meta["recompute"], report.meta["level"]
+    assert counts["unpaired"] == 0 and counts["recomputes"] == 9, counts
+    assert level["steps"] == 9 and level["postponed_switches"] > 0, level
+    if not bug:
+        assert report.ok, [f.message for f in report.findings]
+        return
+    located = [f for f in report.findings if f.op == "aten.rand.generator"]
+    file, lineno = marked_line("gan noise")
+    assert located and located[0].site == f"{os.path.basename(file)}:{lineno}"
+
+
+@REENTRANT
+def test_a_recompute_watched_another_way_than_its_forward_is_not_compared(reentrant):
+    """Two critic steps between the generator's forward and its recompute: the switch is
+    held back once, then made; a recompute watched op by op after a forward watched by states
+    (or the other way round) is counted as unpaired, not reported as a missing op."""
+    report = _gan(reentrant, False, critic_steps=2, sample_first=1, sample_every=3)
+    assert report.ok, [f.message for f in report.findings]
+    counts = report.meta["recompute"]
+    assert 0 < counts["unpaired"] < counts["recomputes"] == 9, counts
 
 
 _hf = None

@@ -14,8 +14,8 @@ _MAX_RANGES = 64  # op-level step ranges kept for the report (the first and the 
 
 @dataclass(slots=True)
 class StepSchedule:
-    """The level of each optimizer step. Step numbers count from 1; step ``n`` runs between the
-    ``n-1``-th and the ``n``-th ``optimizer.step()``."""
+    """The level of each training step. Step numbers count from 1; step ``n`` runs between the
+    ``n-1``-th and the ``n``-th step of the lead optimizer (the mode's ``_on_step``)."""
 
     sample_every: int
     sample_first: int

@@ -11,7 +11,8 @@ from ..core.findings import Finding, FindingKind, Side
 __all__ = ["Region", "mismatch_finding"]
 
 
-@dataclass(eq=False, slots=True, kw_only=True)
+# Not slotted: the tracker holds waiting regions weakly (weakref_slot needs Python 3.11).
+@dataclass(eq=False, kw_only=True)
 class Region:
     """One checkpointed call: its forward's random ops and, once backward runs, its recompute's."""
 
@@ -28,6 +29,11 @@ class Region:
     truncated: bool = False
     selective: bool = False  # selective checkpointing: a cache may answer ops in the recompute
     probed: Any = None  # level="step": the forward's generator states at entry and exit
+    # level="step": the forward was watched by its generator states (between sampled steps),
+    # not op by op; a recompute watched the other way (the level changed at an optimizer step
+    # between them: a second optimizer, a GAN's discriminator) has nothing to be compared with.
+    by_probe: bool = False
+    unpaired: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

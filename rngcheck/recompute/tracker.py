@@ -16,6 +16,7 @@ cause worked out from what the two events and their out-of-band seeding calls sh
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -72,9 +73,12 @@ class RecomputeTracker:
         # recompute must not be compared, or it would look like it ran no random op at all.
         self.live = False
         # What was checked, for the report: regions entered, recomputes run, ops compared.
-        self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0}
+        self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0, "unpaired": 0}
         self._modules = ModuleNames()
         self.probe: StateProbe | None = None  # level="step": generator states, between samples
+        # Regions whose forward ended and whose recompute has not begun (held weakly: a graph
+        # freed without backward takes its regions with it).
+        self._waiting: weakref.WeakSet[Region] = weakref.WeakSet()
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -101,6 +105,10 @@ class RecomputeTracker:
 
     def active(self) -> bool:
         return bool(self._local.active)
+
+    def waiting(self) -> bool:
+        """Whether a checkpointed forward still waits for its recompute."""
+        return bool(self._waiting)
 
     def in_recompute(self) -> bool:
         return any(phase is Phase.RECOMPUTE for _, phase in self._local.active)
@@ -148,7 +156,7 @@ class RecomputeTracker:
                     region.truncated = True
             else:
                 region.recompute.append(event)
-                if not region.failed:
+                if not (region.failed or region.unpaired):
                     self._compare(region, len(region.recompute) - 1)
 
     # -- comparison ------------------------------------------------------------------------------
@@ -182,7 +190,12 @@ class RecomputeTracker:
             self._mismatch(region, k, f, r, differs, detail, likely_cause(region, k, f, r, differs))
 
     def _check_complete(self, region: Region) -> None:
-        if region.failed or region.truncated or len(region.recompute) >= len(region.forward):
+        if (
+            region.failed
+            or region.unpaired
+            or region.truncated
+            or len(region.recompute) >= len(region.forward)
+        ):
             return
         k = len(region.recompute)
         f = region.forward[k]
@@ -236,15 +249,21 @@ class _PhaseBlock:
         tracker, region, phase = self._tracker, self._region, self._phase
         if not tracker.live:
             return
+        probe = tracker.probe
+        probing = probe is not None and probe.active
         if phase is Phase.RECOMPUTE:
+            tracker._waiting.discard(region)
             region.recompute = []
             tracker.stats["recomputes"] += 1
+            region.unpaired = region.by_probe is not probing
+            if region.unpaired:
+                tracker.stats["unpaired"] += 1
         else:
             region.forward = []
+            region.by_probe = probing
         self._entry = entry = (region, phase)
         tracker._local.active.append(entry)
-        probe = tracker.probe
-        if probe is not None and probe.active:
+        if probe is not None and probing:
             self._states = probe.enter(region, phase)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -253,6 +272,8 @@ class _PhaseBlock:
             return
         tracker = self._tracker
         _remove(tracker._local.active, entry)
+        if self._phase is Phase.FORWARD and exc_type is None:
+            tracker._waiting.add(self._region)
         if self._states is not None and tracker.probe is not None:
             tracker.probe.exit(self._region, self._phase, self._states, exc_type is None)
         # Only a recompute that ran to its end must have run every random op of the forward. A
