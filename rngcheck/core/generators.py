@@ -220,8 +220,8 @@ class _Tracked:
         """
         handle = self.handle
         if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
-            state = handle.get_state()
-            raw = bytes((ctypes.c_char * state.numel()).from_address(state.data_ptr()))
+            state = handle.get_state()  # kept alive while its bytes are read
+            raw = ctypes.string_at(state.data_ptr(), state.numel())
             if raw != self._raw:
                 self._raw, self._raw_digest = raw, bytes_digest(raw)
             return self._raw_digest
@@ -232,8 +232,8 @@ class _Tracked:
         generator's raw bytes (a copy, no hashing: about a microsecond), else its digest."""
         handle = self.handle
         if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
-            state = handle.get_state()
-            return bytes((ctypes.c_char * state.numel()).from_address(state.data_ptr()))
+            state = handle.get_state()  # kept alive while its bytes are read
+            return ctypes.string_at(state.data_ptr(), state.numel())
         return self.adapter.digest(handle)
 
     @staticmethod

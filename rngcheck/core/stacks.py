@@ -124,10 +124,20 @@ def user_frame(skip: int = 0) -> tuple[str, int] | None:
     return None
 
 
+_SITES: dict[tuple[str, int], str] = {}  # (filename, line) -> "file.py:12"
+
+
 def user_site(skip: int = 0) -> str:
     """``file.py:12`` of the caller's innermost user frame (see :func:`user_frame`)."""
     found = user_frame(skip + 1)
-    return f"{os.path.basename(found[0])}:{found[1]}" if found is not None else "<unknown>"
+    if found is None:
+        return "<unknown>"
+    site = _SITES.get(found)
+    if site is None:
+        if len(_SITES) > 65536:
+            _SITES.clear()
+        site = _SITES[found] = f"{os.path.basename(found[0])}:{found[1]}"
+    return site
 
 
 class Stack:

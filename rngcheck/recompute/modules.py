@@ -25,6 +25,8 @@ class ModuleNames:
     def __init__(self) -> None:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self._roots: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # id(module) -> (a weak reference to it, its description): checked by identity.
+        self._described: dict[int, tuple[weakref.ReferenceType[nn.Module], str]] = {}
 
     def describe(self, function: Any) -> str:
         """``"model.layers.3 (LlamaDecoderLayer)"`` when ``function`` is (a wrapper of) a module
@@ -32,12 +34,19 @@ class ModuleNames:
         module = _module_of(function)
         if module is None:
             return ""
+        known = self._described.get(id(module))  # a dict lookup: no weakref made to ask
+        if known is not None and known[0]() is module:
+            return known[1]
         name = self._names.get(module)
         if name is None:
             self._learn(module)
             name = self._names.setdefault(module, "")  # "": not in a model (asked once)
         cls = type(module).__name__
-        return f"{name} ({cls})" if name else cls
+        text = f"{name} ({cls})" if name else cls
+        if len(self._described) > 65536:
+            self._described.clear()
+        self._described[id(module)] = (weakref.ref(module), text)
+        return text
 
     def _learn(self, module: nn.Module) -> None:
         """Name every module of the outermost module on the stack that contains ``module``."""

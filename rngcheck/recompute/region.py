@@ -11,9 +11,8 @@ from ..core.findings import Finding, FindingKind, Side
 __all__ = ["Region", "mismatch_finding"]
 
 
-# Not slotted: the tracker holds waiting regions weakly (weakref_slot needs Python 3.11).
-@dataclass(eq=False, kw_only=True)
-class Region:
+@dataclass(eq=False, slots=True, kw_only=True)
+class _RegionFields:
     """One checkpointed call: its forward's random ops and, once backward runs, its recompute's."""
 
     number: int = 0  # the mode's count of checkpointed calls (1 for its first)
@@ -48,6 +47,14 @@ class Region:
     def custom(self) -> bool:
         """The checkpoint is not torch.utils.checkpoint: causes name its own restore."""
         return self.kind in ("custom", "torch_xla", "inferred")
+
+
+class Region(_RegionFields):
+    """One checkpointed call: its forward's random ops and, once backward runs, its recompute's.
+    (Slotted, and weakly referable: the tracker holds regions that wait for their recompute
+    weakly; ``weakref_slot`` needs Python 3.11.)"""
+
+    __slots__ = ("__weakref__",)
 
 
 def mismatch_finding(
