@@ -209,6 +209,7 @@ class RNGConsistencyMode:
         self._probe_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._want_escalation = False
         self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
+        self._late_drift = 0  # a drift the last round showed, after the last step
         self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
         # A training step ends at a step of the lead optimizer (see _on_step).
         self._lead: weakref.ReferenceType[Any] | None = None
@@ -279,7 +280,9 @@ class RNGConsistencyMode:
             # The final exchange only when the block ended normally: after an exception, other
             # ranks may never arrive, and the user's exception is the one to see.
             if self._ranks is not None and exc_type is None:
-                self._ranks.finish()
+                last = self._ranks.finish()
+                if last is not None and last.drifted:  # too late to check a step op by op
+                    self._late_drift = last.step
         finally:
             self._teardown()
 
@@ -565,6 +568,18 @@ class RNGConsistencyMode:
                         "on purpose)."
                     ),
                     count=len(self._drifts),
+                )
+            )
+        if self._late_drift:
+            notes.append(
+                Note(
+                    kind="step_level_drift",
+                    message=(
+                        f"generators drifted apart across ranks at step {self._late_drift}, "
+                        "between sampled steps, in the last steps of the run: it ended before a "
+                        "step could be checked op by op, so what drew differently is not named "
+                        "(a data-parallel program may draw per-rank amounts on purpose)."
+                    ),
                 )
             )
         if self._sink.dropped:

@@ -328,10 +328,9 @@ def ddp_dropout_variable_lengths(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
-def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
-    """Replicated training (gradients averaged by hand): from step 6 rank 1 draws one extra
-    number every step. Between samples the generator digests drift apart; the rank finding
-    names the op and line op by op two steps later (the digest round settles at the next step)."""
+def _replicated_extra_draw(rank: int, from_step: int, steps: int = 12) -> dict[str, Any]:
+    """Replicated training (gradients averaged by hand): from ``from_step`` rank 1 draws one extra
+    number every step. Between samples the generator digests drift apart."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -339,23 +338,38 @@ def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
     with _dist_mode(sample_every=1000) as mode:
         model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for step in range(1, 13):
+        for step in range(1, steps + 1):
             model(torch.ones(4, 8)).sum().backward()
             for p in model.parameters():
                 dist.all_reduce(p.grad)
-            if step >= 6 and rank == 1:
+            if step >= from_step and rank == 1:
                 line = sys._getframe().f_lineno + 1
-                torch.rand(1)  # one rank draws one extra number, every step from step 6
+                torch.rand(1)  # one rank draws one extra number, every step from from_step
             opt.step()
             opt.zero_grad()
     return {**_summary(mode), "line": line}
+
+
+def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
+    """The rank finding names the op and line op by op at the step after the round holding step
+    6 settles."""
+    return _replicated_extra_draw(rank, from_step=6)
+
+
+def replicated_extra_draw_in_the_last_round(rank: int, world: int) -> dict[str, Any]:
+    """The drift starts in the steps the mode's end sends: said in a note, never dropped."""
+    return _replicated_extra_draw(rank, from_step=10)
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from _dist import run_scenarios
 
-    names = ["ddp_dropout_variable_lengths", "replicated_extra_draw_from_step_6"]
+    names = [
+        "ddp_dropout_variable_lengths",
+        "replicated_extra_draw_from_step_6",
+        "replicated_extra_draw_in_the_last_round",
+    ]
     return run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path_factory.mktemp("two"))
 
 
@@ -377,6 +391,15 @@ def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(two: An
         assert finding["kind"] == "rank_divergence" and finding["op"] == "aten.rand.default"
         assert finding["site"] == f"test_step_level.py:{line}", finding
         assert r["level"]["drifted_at_steps"] == [6]
-        # Drift seen at step 6 (settled at step 7's hook): step 8 ran op by op and located it.
-        assert r["level"]["op_level"] == ["1-2", "8"] and finding["first_step"] == 8, r
+        # Drift from step 6, in the round of steps 1-8 (settled at step 9's hook): step 10 ran op
+        # by op and located it.
+        assert r["level"]["op_level"] == ["1-2", "10"] and finding["first_step"] == 10, r
         assert "step_level_drift" in r["notes"]
+
+
+@pytest.mark.slow
+def test_a_rank_drift_in_the_last_steps_is_a_note_not_silence(two: Any) -> None:
+    for r in two["replicated_extra_draw_in_the_last_round"].values():
+        assert "error" not in r, r.get("traceback")
+        assert r["findings"] == [] and r["level"]["op_level"] == ["1-2"], r
+        assert r["notes"].count("step_level_drift") == 1, r["notes"]

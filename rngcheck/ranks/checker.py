@@ -203,13 +203,17 @@ class RankChecker:
         self._settle_due()
         self._exchange(Point.CHECK, "mode.check()")
 
-    def finish(self) -> None:
+    def finish(self) -> StepVerdict | None:
+        """The block ends normally: the last exchanges. Returns the verdict of the last
+        step-level round (level="step"), or None."""
         self._finished = True
         self._settle_due()
+        verdict = None
         if self._digests is not None and not self._stopped:
-            # The last step's digest round, before the exit round (the same order everywhere).
-            self.step_level(self._steps + 1, [], False, False, post=False)
+            # The steps not yet sent, before the exit round (the same order everywhere).
+            verdict = self.step_level(self._steps + 1, [], False, False, post=False)
         self._exchange(Point.EXIT, "")
+        return verdict
 
     def close(self) -> None:
         if self._digests is not None:
@@ -277,7 +281,7 @@ class RankChecker:
                         slots = slot_values(generators)
                         verdict = digests.exchange(step, slots, escalate, sampled)
                     else:
-                        verdict = digests.settle()
+                        verdict = digests.finish()
             except PeerLost as e:
                 self._stopped = True
                 digests.drop()
