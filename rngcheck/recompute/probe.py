@@ -61,30 +61,36 @@ class StateProbe:
 
     def exit(self, region: Region, phase: Phase, entry: Snapshot, completed: bool) -> None:
         gens, before = entry
-        after = [t.snapshot() for t in gens]
-        if phase is Phase.FORWARD:
-            drew = [
-                i
-                for i, (b, a) in enumerate(zip(before, after, strict=True))
-                if b is not None and a is not None and b != a
-            ]
-            self.stats["regions"] += 1
-            # Only the generators the forward drew from matter to the recompute.
-            region.probed = (
-                (
-                    tuple(gens[i] for i in drew),
-                    [before[i] for i in drew],
-                    [after[i] for i in drew],
-                )
-                if drew
-                else None
-            )
+        if phase is Phase.RECOMPUTE:
+            self._recompute_exit(region, gens, before, completed)
             return
+        after = [t.snapshot() for t in gens]
+        drew = [
+            i
+            for i, (b, a) in enumerate(zip(before, after, strict=True))
+            if b is not None and a is not None and b != a
+        ]
+        self.stats["regions"] += 1
+        # Only the generators the forward drew from matter to the recompute.
+        region.probed = (
+            (tuple(gens[i] for i in drew), [before[i] for i in drew], [after[i] for i in drew])
+            if drew
+            else None
+        )
+
+    def _recompute_exit(
+        self, region: Region, gens: tuple[Any, ...], before: list[Any], completed: bool
+    ) -> None:
         forward = region.probed
         if forward is None or forward[0] is not gens:
             return
         self.stats["compared"] += 1
         whole = completed and not region.selective
+        if not whole and before == forward[1]:
+            # Stopped early (torch's early stop) from the forward's states: whatever it drew,
+            # it drew the forward's numbers, and the states it ends in are not compared.
+            return
+        after = [t.snapshot() for t in gens]
         problem = _compare(gens, forward[1], forward[2], before, after, whole)
         if problem is None:
             return
