@@ -211,8 +211,11 @@ class RNGConsistencyMode:
         self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
         self._late_drift = 0  # a drift the last round showed, after the last step
         self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
-        # A training step ends at a step of the lead optimizer (see _on_step).
+        # A training step ends at a step of the lead optimizer (see _on_step); the others that
+        # stepped since its last step, held weakly.
         self._lead: weakref.ReferenceType[Any] | None = None
+        self._since_lead: list[weakref.ReferenceType[Any]] = []
+        self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
         # A level switch held back while a checkpointed forward waits for its recompute:
         # (op level, rebased slots), applied at the next optimizer step with none waiting.
         self._postponed: tuple[bool, tuple[int, ...]] | None = None
@@ -240,6 +243,7 @@ class RNGConsistencyMode:
                     check_writable(name, path)
             self._entered = True
             self._pid = os.getpid()
+            self._thread = threading.get_ident()
             _ACTIVE = self
         try:
             self._seeds.install()
@@ -378,18 +382,22 @@ class RNGConsistencyMode:
     def _on_step(self, optimizer: Any, *_: Any) -> None:
         """The one optimizer-step hook: the checks' step work, in one order on every rank.
 
-        A training step ends at a step of the lead optimizer: the first one seen to step (the
-        next one to step once it is gone). A program that steps several optimizers per
-        iteration (Muon beside AdamW, a GAN's two networks, a wrapper around an inner
-        optimizer) runs one training step per iteration, not one per optimizer."""
+        A training step ends at a step of the lead optimizer: the first one seen to step, until
+        another steps twice without it in between (the lead stopped: a second training stage
+        with a new optimizer). A program that steps several optimizers per iteration (Muon
+        beside AdamW, a GAN's two networks, a wrapper around an inner optimizer) runs one
+        training step per iteration, not one per optimizer. The rule reads only the order of
+        the steps, the same on every rank."""
         lead = self._lead() if self._lead is not None else None
-        if lead is None:
+        if self._lead is None or (lead is not optimizer and self._stepped_since_lead(optimizer)):
             self._lead = weakref.ref(optimizer)
-        elif optimizer is not lead:
+        elif lead is not optimizer:
+            self._since_lead.append(weakref.ref(optimizer))
             if self._postponed is not None and not self._regions_waiting():
                 postponed, self._postponed = self._postponed, None
                 self._switch(*postponed)
             return
+        self._since_lead.clear()
         self._step_ends.append(self._window.total)
         self._in_step_hook = True  # what is found here belongs to the step that just ended
         try:
@@ -401,6 +409,9 @@ class RNGConsistencyMode:
                 self._next_step(self._schedule, self._interceptor)
         finally:
             self._in_step_hook = False
+
+    def _stepped_since_lead(self, optimizer: Any) -> bool:
+        return any(ref() is optimizer for ref in self._since_lead)
 
     # -- level="step" ------------------------------------------------------------------------
 
@@ -424,12 +435,21 @@ class RNGConsistencyMode:
         else:
             verdict = None
             schedule.escalate = want
+        held, self._postponed = self._postponed, None
+        if held is not None:  # no optimizer step could make it: record how the step ran
+            schedule.ran(op_level=not interceptor.suspended)
         op_level = schedule.advance()
         drifted = verdict.drifted if verdict is not None else ()
-        # A switch now would split a checkpointed forward from its recompute (a GAN steps its
-        # discriminator between them): held back to the next optimizer step, once at most.
-        held, self._postponed = self._postponed, None
-        if held is None and op_level is interceptor.suspended and self._regions_waiting():
+        # In one process, a switch that would split a checkpointed forward from its recompute
+        # (a GAN steps its discriminator between them) waits for the next optimizer step, at
+        # most to the next training step. Not across ranks: what waits is each rank's own, and
+        # the level decides which collectives a rank posts; there such a recompute is unpaired.
+        if (
+            self._ranks is None
+            and held is None
+            and op_level is interceptor.suspended
+            and self._regions_waiting()
+        ):
             self._postponed = (op_level, drifted)
             self._postponements += 1
             return
@@ -447,6 +467,11 @@ class RNGConsistencyMode:
             return
         if self._ranks is not None:
             self._ranks.set_checking(op_level, drifted)
+        if threading.get_ident() != self._thread:
+            # An optimizer stepped on another thread (one in backward, on an autograd device
+            # thread): the dispatch stack is per thread, so the level stays as it is.
+            self._stuck_steps += 1
+            return
         if op_level:
             if interceptor.suspended:
                 interceptor.resume()
@@ -531,7 +556,9 @@ class RNGConsistencyMode:
             levels = self._schedule.summary()
             if self._probe is not None:
                 levels["checkpoint_probe"] = dict(self._probe.stats)
-            levels["drifted_at_steps"] = list(self._drifts)
+            levels["drifted_at_steps"] = list(self._drifts) + (
+                [self._late_drift] if self._late_drift else []
+            )
             levels["stayed_op_level_steps"] = self._stuck_steps
             # Switches held back while a checkpointed forward waited for its recompute.
             levels["postponed_switches"] = self._postponements

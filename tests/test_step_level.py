@@ -239,6 +239,59 @@ def test_a_recompute_watched_another_way_than_its_forward_is_not_compared(reentr
     assert 0 < counts["unpaired"] < counts["recomputes"] == 9, counts
 
 
+def _op_steps(ranges: list[str]) -> set[int]:
+    out: set[int] = set()
+    for r in ranges:
+        first, _, last = r.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def test_a_graph_kept_across_steps_does_not_cost_the_sampled_steps():
+    """A checkpointed output kept alive across the optimizer step (its backward never runs in
+    that step): the switch held back for it is made at the next training step, the step meant
+    to run op by op is owed and runs next, and the report lists the steps that really ran op by
+    op."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(8, 8), nn.Linear(8, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    on_stack = []
+    with rngcheck.RNGConsistencyMode(sample_first=1, sample_every=4, **STEP) as mode:
+        for _ in range(12):
+            on_stack.append(bool(_get_current_dispatch_mode_stack()))
+            x = torch.randn(4, 8, requires_grad=True)
+            feats = checkpoint(lambda t: F.dropout(body(t), 0.2), x, use_reentrant=False)
+            head(feats.detach()).sum().backward()  # feats' own backward never runs
+            opt.step()
+            opt.zero_grad()
+    level = mode.report.meta["level"]
+    assert level["postponed_switches"] > 0, level
+    ran = {step for step, on in enumerate(on_stack, 1) if on}
+    assert _op_steps(level["op_level"]) == ran, (level["op_level"], sorted(ran))
+    assert len(ran) >= 4, sorted(ran)  # step 1 and one in 4 after it, each at most one late
+    assert mode.report.ok, [f.message for f in mode.report.findings]
+
+
+def test_a_second_training_stage_with_its_own_optimizer_keeps_counting_steps():
+    """A head-only optimizer, then one for the whole model, the first still alive (a scheduler
+    holds it): the new optimizer leads once it steps twice without the old one, so steps keep
+    ending and sampled steps keep coming."""
+    torch.manual_seed(0)
+    model = Net()
+    stage_one = torch.optim.SGD(model.blocks[1].parameters(), lr=0.01)
+    stage_two = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with rngcheck.RNGConsistencyMode(sample_first=1, sample_every=5, **STEP) as mode:
+        for step in range(12):
+            opt = stage_one if step < 3 else stage_two
+            model(torch.randn(4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+    level = mode.report.meta["level"]
+    assert level["steps"] == 11, level  # the first step of the new stage ends none
+    assert level["op_level"] == ["1", "5", "10"], level
+    assert mode.report.ok, [f.message for f in mode.report.findings]
+
+
 _hf = None
 
 

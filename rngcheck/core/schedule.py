@@ -26,6 +26,7 @@ class StepSchedule:
     op_steps: int = 0  # steps checked op by op so far (the current one included)
     _ranges: list[list[int]] = field(default_factory=list)  # op-level steps, as [first, last]
     _dropped: int = 0
+    _owed: bool = False  # a step meant to run op by op ran without it: the next one does
 
     def op_level(self, step: int) -> bool:
         return step <= self.sample_first or step % self.sample_every == 0
@@ -35,10 +36,28 @@ class StepSchedule:
         self.current_op_level = True
         self._note(self.step)
 
+    def ran(self, op_level: bool) -> None:
+        """The step now ending ran at another level than decided (its switch was held back):
+        record what ran. A step meant to run op by op that did not is owed: the next one does."""
+        if op_level == self.current_op_level:
+            return
+        self.current_op_level = op_level
+        if op_level:
+            self._note(self.step)
+            return
+        self.op_steps -= 1
+        last = self._ranges[-1]
+        if last[0] == last[1]:
+            self._ranges.pop()
+        else:
+            last[1] -= 1
+        self._owed = True
+
     def advance(self) -> bool:
         """An optimizer step ended: move to the next step; True when it is checked op by op."""
         self.step += 1
-        op = self.op_level(self.step) or self.escalate
+        op = self.op_level(self.step) or self.escalate or self._owed
+        self._owed = False
         if self.escalate:
             self.escalations += 1
             self.escalate = False
@@ -58,14 +77,17 @@ class StepSchedule:
         self._ranges.append([step, step])
 
     def summary(self) -> dict[str, object]:
-        """For the report: which steps were checked how."""
+        """For the report: how each completed training step was checked."""
+        done = self.step - 1
+        ranges = [(a, min(b, done)) for a, b in self._ranges if a <= done]
+        op_done = self.op_steps - (1 if self.current_op_level else 0)
         return {
             "level": "step",
-            "steps": self.step - 1,  # optimizer steps completed
-            "op_level": [f"{a}" if a == b else f"{a}-{b}" for a, b in self._ranges],
+            "steps": done,  # training steps completed
+            "op_level": [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges],
             "op_level_ranges_not_listed": self._dropped,
-            "op_level_steps": self.op_steps,
-            "step_level_steps": self.step - self.op_steps,
+            "op_level_steps": op_done,
+            "step_level_steps": done - op_done,
             "escalations": self.escalations,
             "sample_first": self.sample_first,
             "sample_every": self.sample_every,

@@ -121,7 +121,9 @@ class StepDigests:
         verdict = self.settle()
         if self._batch:
             self._post()
-            verdict = self.settle() or verdict
+            last = self.settle()
+            if verdict is None or not verdict.drifted:
+                verdict = last
         return verdict
 
     def _post(self) -> None:
@@ -156,10 +158,10 @@ class StepDigests:
             lost = self._baseline & ~agree
             if lost:
                 self._baseline &= agree  # escalate once per drift, not at every later step
-                if not drifted:
-                    drifted = tuple(i for i in range(SLOTS) if lost >> i & 1)
+                if not drift_step:
                     drift_step = s.step
                     self.drifts += 1
+                drifted = tuple(sorted({*drifted, *(i for i in range(SLOTS) if lost >> i & 1)}))
                 escalate = True
         return StepVerdict(drift_step or posted.steps[-1].step, escalate, drifted)
 

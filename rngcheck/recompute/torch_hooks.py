@@ -142,7 +142,9 @@ class _Layout:
             named.add(p.name)
             if p.default is not P.empty:
                 defaults[p.name] = p.default
-        wanted = ("fn", "preserve_rng_state", "context_fn") + (() if varargs_at else ("args",))
+        wanted: tuple[str, ...] = ("fn", "preserve_rng_state", "context_fn")
+        if varargs_at is None:  # torch 2.14: the region's inputs are one tuple named ``args``
+            wanted += ("args",)
         for needed in wanted:
             if needed not in named:
                 raise TypeError(
