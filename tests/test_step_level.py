@@ -177,7 +177,9 @@ def test_selective_checkpointing_and_reentrant_checkpoints_stay_quiet():
     assert probe["regions"] == 2 * 6 and probe["compared"] >= 6
 
 
-def _gan(reentrant: bool, bug: bool, critic_steps: int, **config: Any) -> rngcheck.Report:
+def _gan(
+    reentrant: bool, bug: bool, critic_steps: int, make_mode: Any = None, **config: Any
+) -> rngcheck.Report:
     """A GAN's iterations: the generator's checkpointed forward, ``critic_steps`` steps of the
     discriminator (the lead optimizer: it steps first), then the generator's backward (its
     recompute) and step. ``bug``: a user generator inside the checkpointed block."""
@@ -193,7 +195,8 @@ def _gan(reentrant: bool, bug: bool, critic_steps: int, **config: Any) -> rngche
             return h * (torch.rand(h.shape, generator=noise) > 0.3)  # <- gan noise
         return F.dropout(h, 0.3)
 
-    with rngcheck.RNGConsistencyMode(**{**STEP, **config}) as mode:
+    mode_of = make_mode or (lambda **kw: rngcheck.RNGConsistencyMode(**{**STEP, **kw}))
+    with mode_of(**config) as mode:
         for _ in range(9):
             z = torch.randn(4, 8, requires_grad=reentrant)
             fake = checkpoint(block, z, use_reentrant=reentrant)
@@ -360,6 +363,7 @@ def _summary(mode: Any) -> dict[str, Any]:
         ],
         "notes": [n.kind for n in report.notes],
         "level": report.meta.get("level", {}),
+        "recompute": report.meta.get("recompute", {}),
     }
 
 
@@ -409,6 +413,16 @@ def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
     return _replicated_extra_draw(rank, from_step=6)
 
 
+def gan_on_two_ranks(rank: int, world: int) -> dict[str, Any]:
+    """A GAN's iterations, replicated on each rank: level switches are not held back across
+    ranks, so a generator recompute on the other side of a switch is unpaired, never a finding,
+    and every rank posts the same collectives."""
+    report = _gan(
+        False, False, critic_steps=1, make_mode=_dist_mode, sample_first=1, sample_every=3
+    )
+    return {"ok": report.ok, "recompute": report.meta["recompute"], "level": report.meta["level"]}
+
+
 def replicated_extra_draw_in_the_last_round(rank: int, world: int) -> dict[str, Any]:
     """The drift starts in the steps the mode's end sends: said in a note, never dropped."""
     return _replicated_extra_draw(rank, from_step=10)
@@ -422,6 +436,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "ddp_dropout_variable_lengths",
         "replicated_extra_draw_from_step_6",
         "replicated_extra_draw_in_the_last_round",
+        "gan_on_two_ranks",
     ]
     return run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path_factory.mktemp("two"))
 
@@ -456,3 +471,11 @@ def test_a_rank_drift_in_the_last_steps_is_a_note_not_silence(two: Any) -> None:
         assert "error" not in r, r.get("traceback")
         assert r["findings"] == [] and r["level"]["op_level"] == ["1-2"], r
         assert r["notes"].count("step_level_drift") == 1, r["notes"]
+
+
+@pytest.mark.slow
+def test_a_gan_on_two_ranks_leaves_split_recomputes_unpaired(two: Any) -> None:
+    for r in two["gan_on_two_ranks"].values():
+        assert "error" not in r, r.get("traceback")
+        assert r["ok"] and r["level"]["postponed_switches"] == 0, r
+        assert 0 < r["recompute"]["unpaired"] < r["recompute"]["recomputes"] == 9, r
