@@ -60,6 +60,7 @@ _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
 _MAX_NOTE_SITES = 64
 # Rebuilt at every read of the report.
+_TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
 _DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared", "step_level_drift")
 _PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 
@@ -214,7 +215,8 @@ class RNGConsistencyMode:
         # A training step ends at a step of the lead optimizer (see _on_step); the others that
         # stepped since its last step, held weakly.
         self._lead: weakref.ReferenceType[Any] | None = None
-        self._since_lead: list[weakref.ReferenceType[Any]] = []
+        # id -> (the optimizer, weakly; its steps since the lead's last step)
+        self._since_lead: dict[int, tuple[weakref.ReferenceType[Any], int]] = {}
         self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
         # A level switch held back while a checkpointed forward waits for its recompute:
         # (op level, rebased slots), applied at the next optimizer step with none waiting.
@@ -383,17 +385,22 @@ class RNGConsistencyMode:
         """The one optimizer-step hook: the checks' step work, in one order on every rank.
 
         A training step ends at a step of the lead optimizer: the first one seen to step, until
-        another steps twice without it in between (the lead stopped: a second training stage
-        with a new optimizer). A program that steps several optimizers per iteration (Muon
-        beside AdamW, a GAN's two networks, a wrapper around an inner optimizer) runs one
-        training step per iteration, not one per optimizer. The rule reads only the order of
-        the steps, the same on every rank."""
+        another steps ``_TAKEOVER`` times without it in between (the lead stopped: a second
+        training stage with a new optimizer; a GAN's critic stepping 5 times per generator
+        step does not take over). A program that steps several optimizers per iteration (Muon
+        beside AdamW, a GAN's two networks, a wrapper around an inner optimizer, one optimizer
+        per parameter) runs one training step per iteration, not one per optimizer. The rule
+        reads only the order of the steps, the same on every rank (not when an optimizer is
+        garbage-collected, which may differ)."""
         lead = self._lead() if self._lead is not None else None
-        if self._lead is None or (lead is not optimizer and self._stepped_since_lead(optimizer)):
+        if self._lead is None or (lead is not optimizer and self._takes_over(optimizer)):
             self._lead = weakref.ref(optimizer)
         elif lead is not optimizer:
-            self._since_lead.append(weakref.ref(optimizer))
-            if self._postponed is not None and not self._regions_waiting():
+            if (
+                self._postponed is not None
+                and threading.get_ident() == self._thread
+                and not self._regions_waiting()
+            ):
                 postponed, self._postponed = self._postponed, None
                 self._switch(*postponed)
             return
@@ -410,8 +417,16 @@ class RNGConsistencyMode:
         finally:
             self._in_step_hook = False
 
-    def _stepped_since_lead(self, optimizer: Any) -> bool:
-        return any(ref() is optimizer for ref in self._since_lead)
+    def _takes_over(self, optimizer: Any) -> bool:
+        """Count a step of ``optimizer`` (not the lead) since the lead's last step; True when
+        it has now made ``_TAKEOVER`` of them."""
+        since = self._since_lead
+        known = since.get(id(optimizer))
+        count = known[1] + 1 if known is not None and known[0]() is optimizer else 1
+        if len(since) > 65536:  # a new optimizer per step, and a lead that stopped
+            since.clear()
+        since[id(optimizer)] = (weakref.ref(optimizer), count)
+        return count >= _TAKEOVER
 
     # -- level="step" ------------------------------------------------------------------------
 
@@ -436,7 +451,10 @@ class RNGConsistencyMode:
             verdict = None
             schedule.escalate = want
         held, self._postponed = self._postponed, None
-        if held is not None:  # no optimizer step could make it: record how the step ran
+        if self._ranks is None:
+            # The step that ends may have run at another level than decided (a switch held back
+            # or not possible on another thread): record what ran. (Across ranks the schedule
+            # stays the agreed one: it decides which collectives a rank posts.)
             schedule.ran(op_level=not interceptor.suspended)
         op_level = schedule.advance()
         drifted = verdict.drifted if verdict is not None else ()
@@ -470,7 +488,8 @@ class RNGConsistencyMode:
         if threading.get_ident() != self._thread:
             # An optimizer stepped on another thread (one in backward, on an autograd device
             # thread): the dispatch stack is per thread, so the level stays as it is.
-            self._stuck_steps += 1
+            if op_level is interceptor.suspended:
+                self._stuck_steps += 1
             return
         if op_level:
             if interceptor.suspended:

@@ -277,21 +277,29 @@ def test_a_graph_kept_across_steps_does_not_cost_the_sampled_steps():
 
 def test_a_second_training_stage_with_its_own_optimizer_keeps_counting_steps():
     """A head-only optimizer, then one for the whole model, the first still alive (a scheduler
-    holds it): the new optimizer leads once it steps twice without the old one, so steps keep
-    ending and sampled steps keep coming."""
+    holds it): the new optimizer leads once it has stepped 16 times without the old one, so
+    steps keep ending and sampled steps keep coming. A critic that steps 5 times per step of
+    the first optimizer does not take over (one training step per iteration)."""
     torch.manual_seed(0)
     model = Net()
-    stage_one = torch.optim.SGD(model.blocks[1].parameters(), lr=0.01)
+    first = torch.optim.SGD(model.blocks[1].parameters(), lr=0.01)
+    critic = torch.optim.SGD(model.blocks[0].parameters(), lr=0.01)
     stage_two = torch.optim.AdamW(model.parameters(), lr=0.01)
     with rngcheck.RNGConsistencyMode(sample_first=1, sample_every=5, **STEP) as mode:
-        for step in range(12):
-            opt = stage_one if step < 3 else stage_two
+        for _ in range(4):  # stage one: the first optimizer, then the critic 5 times
             model(torch.randn(4, 8)).backward()
-            opt.step()
-            opt.zero_grad()
+            first.step()
+            for _ in range(5):
+                critic.step()
+        for _ in range(30):  # stage two
+            model(torch.randn(4, 8)).backward()
+            stage_two.step()
+            stage_two.zero_grad()
     level = mode.report.meta["level"]
-    assert level["steps"] == 11, level  # the first step of the new stage ends none
-    assert level["op_level"] == ["1", "5", "10"], level
+    # 4 iterations of stage one; stage two's first 15 steps belong to the step running when
+    # its optimizer took over at its 16th, then one step each.
+    assert level["steps"] == 4 + 15, level
+    assert level["op_level"] == ["1", "5", "10", "15"], level
     assert mode.report.ok, [f.message for f in mode.report.findings]
 
 
