@@ -35,10 +35,25 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DistRun", "free_port", "run_scenarios"]
+__all__ = ["DistRun", "free_port", "run_scenarios", "scenario_mode"]
 
 _REPO = Path(__file__).resolve().parent.parent
 _COLLECTIVE_TIMEOUT_S = 60  # the training group's own timeout inside workers
+
+
+def scenario_mode(**kwargs: Any) -> Any:
+    """An RNGConsistencyMode for a scenario inside a rank: findings recorded, not raised, drawn
+    into a string nobody reads, and every exchange bounded (30 s unless ``timeout`` is given)."""
+    import io
+
+    import rich.console
+
+    import rngcheck
+
+    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
+    kwargs.setdefault("timeout", 30.0)
+    kwargs.setdefault("on_finding", "record")
+    return rngcheck.RNGConsistencyMode(console=console, **kwargs)
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ compile nest either way. Real compilation with the inductor backend on the CPU."
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any
 
@@ -162,16 +161,15 @@ def test_graph_breaks_and_disabled_regions_run_eagerly_and_are_checked_op_by_op(
 
 
 def _compiled_training(rank: int, seed: int) -> dict[str, Any]:
-    import rich.console
     import torch.distributed as dist
+    from _dist import scenario_mode
 
     with inductor_config.patch(fx_graph_cache=False):
         torch.manual_seed(0)
         net = Net()
         compiled = torch.compile(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        console = rich.console.Console(file=io.StringIO())
-        with rngcheck.RNGConsistencyMode(on_finding="record", timeout=60, console=console) as mode:
+        with scenario_mode(timeout=60) as mode:
             for step in range(2):
                 torch.manual_seed(seed + step)  # replicated computation: every rank the same...
                 compiled(torch.ones(4, 16)).backward()

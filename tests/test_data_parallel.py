@@ -11,12 +11,12 @@ alone (rank 0 sampling with generate(do_sample=True)).
 
 from __future__ import annotations
 
-import io
 import sys
 from typing import Any
 
 import pytest
 import torch
+from _dist import scenario_mode
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -27,15 +27,7 @@ _HERE = __file__
 # Scenarios: run in every rank as fn(rank, world_size); return plain data
 
 
-def _mode(**kwargs: Any) -> Any:
-    import rich.console
-
-    import rngcheck
-
-    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
-    kwargs.setdefault("timeout", 30.0)
-    kwargs.setdefault("on_finding", "record")
-    return rngcheck.RNGConsistencyMode(console=console, **kwargs)
+_mode = scenario_mode
 
 
 def _summary(mode: Any, **extra: Any) -> dict[str, Any]:

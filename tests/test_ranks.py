@@ -8,13 +8,13 @@ rank drew it. Every launch has a hard timeout and every checker a short exchange
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from _dist import scenario_mode
 
 pytestmark = pytest.mark.distributed
 
@@ -27,14 +27,8 @@ _FAST = 10.0  # exchange timeout inside scenarios (seconds): nothing waits long
 
 
 def _mode(**kwargs: Any) -> Any:
-    import rich.console
-
-    import rngcheck
-
-    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
     kwargs.setdefault("timeout", _FAST)
-    kwargs.setdefault("on_finding", "record")
-    return rngcheck.RNGConsistencyMode(console=console, **kwargs)
+    return scenario_mode(**kwargs)
 
 
 def _line() -> int:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _dist import scenario_mode
 from _recompute_util import marked_line
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -347,12 +348,7 @@ def test_hugging_face_training_at_the_step_level(family, reentrant):
 
 
 def _dist_mode(**kwargs: Any) -> Any:
-    import io
-
-    import rich.console
-
-    console = rich.console.Console(file=io.StringIO(), width=140, force_terminal=False)
-    return rngcheck.RNGConsistencyMode(console=console, timeout=20, **STEP, **kwargs)
+    return scenario_mode(timeout=20, **STEP, **kwargs)
 
 
 def _summary(mode: Any) -> dict[str, Any]:

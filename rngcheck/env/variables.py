@@ -159,7 +159,8 @@ VARIABLES: dict[str, Variable] = {
             values="a positive integer N",
             default="1",
             help="With sync=step, exchange at every Nth optimizer step only (a long job can keep "
-            "the check on cheaply). A divergence is still pinned to its first op.",
+            "the check on cheaply). A divergence is still pinned to its first op. With "
+            "level=step, take the generators' digests at every Nth step only.",
             parse=_positive_int,
         ),
         Variable(
