@@ -8,6 +8,7 @@ by construction the way an XOR or 8-bit hash does. Reading a state never changes
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,6 +188,12 @@ def _device_str(device: torch.device) -> str:
     return str(device)
 
 
+@functools.cache
+def _state_bytes_type(size: int) -> Any:
+    """The ctypes array type that reads ``size`` bytes of a generator state in place."""
+    return ctypes.c_char * size
+
+
 class _Tracked:
     """What the registry knows about one generator: its name, its last digest, its seed."""
 
@@ -199,6 +206,7 @@ class _Tracked:
         "seed_mark",
         "_raw",
         "_raw_digest",
+        "_bytes",
     )
 
     def __init__(self, ident: GeneratorId, handle: Any, adapter: DeviceAdapter) -> None:
@@ -210,6 +218,12 @@ class _Tracked:
         self.seed_mark = 0  # the seeding-call counter at this generator's last op
         self._raw = b""  # the CPU state bytes last read, and their digest
         self._raw_digest: int | None = None
+        # A CPU torch.Generator is read as its raw state bytes, through a ctypes array type of
+        # the state's size (asking its device on every read cost more than the read, and
+        # ``ctypes.string_at`` twice as much as the array's ``raw``).
+        self._bytes: Any = None
+        if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
+            self._bytes = _state_bytes_type(handle.get_state().numel())
 
     def read(self) -> int | None:
         """The digest of the generator's state now (None: unreadable at the moment).
@@ -219,9 +233,9 @@ class _Tracked:
         a second time.
         """
         handle = self.handle
-        if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
+        if self._bytes is not None:
             state = handle.get_state()  # kept alive while its bytes are read
-            raw = ctypes.string_at(state.data_ptr(), state.numel())
+            raw = self._bytes.from_address(state.data_ptr()).raw
             if raw != self._raw:
                 self._raw, self._raw_digest = raw, bytes_digest(raw)
             return self._raw_digest
@@ -231,9 +245,9 @@ class _Tracked:
         """The state now, only to compare with another snapshot of this generator: a CPU
         generator's raw bytes (a copy, no hashing: about a microsecond), else its digest."""
         handle = self.handle
-        if isinstance(handle, torch.Generator) and handle.device.type == "cpu":
+        if self._bytes is not None:
             state = handle.get_state()  # kept alive while its bytes are read
-            return ctypes.string_at(state.data_ptr(), state.numel())
+            return self._bytes.from_address(state.data_ptr()).raw
         return self.adapter.digest(handle)
 
     @staticmethod

@@ -16,6 +16,7 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -137,10 +138,11 @@ class SeedCallLog:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
-                caller = sys._getframe(1).f_code.co_filename
-                by_torch = target.library or (
-                    is_internal_file(caller) and caller.startswith(_LIBRARY_DIRS)
-                )
+                code = sys._getframe(1).f_code
+                known = _LIBRARY_CODE.get(id(code))  # one lookup when known (twice a region)
+                by_torch = (
+                    known[1] if known is not None and known[0] is code else _library_code(code)
+                ) or target.library
                 if by_torch and self.quiet:
                     return original(*args, **kwargs)  # (what it calls is the library's too)
                 self.counter += 1
@@ -169,8 +171,23 @@ _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _LIBRARY_DIRS: tuple[str, ...] = (_TORCH_DIR,)
 
 
+# id(code object) -> (the code object, are its calls the library's): see stacks.is_user_code.
+_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _library_code(code: CodeType) -> bool:
+    """Whether a seeding call from ``code`` is the library's own (learned once per code)."""
+    if len(_LIBRARY_CODE) > 4096:
+        _LIBRARY_CODE.clear()
+    name = code.co_filename
+    library = is_internal_file(name) and name.startswith(_LIBRARY_DIRS)
+    _LIBRARY_CODE[id(code)] = (code, library)
+    return library
+
+
 def register_library_dir(path: str) -> None:
     """Count seeding calls made from files under ``path`` as the library's own (``by_torch``)."""
     global _LIBRARY_DIRS
     if path not in _LIBRARY_DIRS:
         _LIBRARY_DIRS = (*_LIBRARY_DIRS, path)
+        _LIBRARY_CODE.clear()

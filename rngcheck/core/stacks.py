@@ -96,19 +96,21 @@ class Frame:
         )
 
 
-_USER_CODE: dict[CodeType, bool] = {}  # code object -> is it the user's (one lookup a frame)
+# id(code object) -> (the code object, is it the user's). Keyed by identity: hashing a code object
+# hashes its constants (nested functions' code too) on every lookup. The entry holds the code
+# object, so its id is not reused while the entry lives.
+_USER_CODE: dict[int, tuple[CodeType, bool]] = {}
 
 
 def is_user_code(code: CodeType) -> bool:
     """Whether frames running ``code`` are the user's (one dict lookup once it is known)."""
-    known = _USER_CODE
-    user = known.get(code)
-    if user is None:
-        if len(known) > 65536:  # generated code can make many code objects
-            known.clear()
-        user = known[code] = (
-            not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
-        )
+    known = _USER_CODE.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    if len(_USER_CODE) > 65536:  # generated code can make many code objects
+        _USER_CODE.clear()
+    user = not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
+    _USER_CODE[id(code)] = (code, user)
     return user
 
 

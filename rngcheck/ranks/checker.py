@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.events import Phase, RandomOpEvent
+from ..core.events import FORWARD, RandomOpEvent
 from ..core.findings import Finding, FindingKind, Note
 from ..core.handle import CheckerHandle
 from ..core.policy import current_expectation
@@ -313,7 +313,7 @@ class RankChecker:
             return "under expect('ignore')"
         if mesh is not None or current_expectation() is not None:
             return ""  # declared: DTensor's contract (its mesh), or the user's expect block
-        wrapper = self._dp.current(event.phase is not Phase.FORWARD)
+        wrapper = self._dp.current(event.phase is not FORWARD)
         if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
             self._dp.count(wrapper)
             return f"in the data-parallel forward/backward of {wrapper.label}"
