@@ -27,7 +27,15 @@ from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config, check_writable
 from .core.digest import tensor_digest
 from .core.dispatch import Interceptor
-from .core.events import EventWindow, OutOfBandChange, Phase, RandomOpEvent
+from .core.events import (
+    BACKWARD,
+    FORWARD,
+    RECOMPUTE,
+    EventWindow,
+    OutOfBandChange,
+    Phase,
+    RandomOpEvent,
+)
 from .core.findings import Finding, Note, RNGCheckCoverageWarning
 from .core.generators import GeneratorRegistry
 from .core.handle import CheckerHandle
@@ -261,7 +269,10 @@ class RNGConsistencyMode:
                 self._compiled = CompiledRecomputes(self._sink.emit)
                 if self._schedule is not None:
                     self._probe = StateProbe(
-                        self._probe_generators, self._sink.emit, self._request_escalation
+                        self._probe_generators,
+                        self._sink.emit,
+                        self._request_escalation,
+                        self.recompute_tracker.describe,
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()
@@ -797,10 +808,7 @@ class RNGConsistencyMode:
             in_region
             or (
                 inferred is not None
-                and (
-                    phase is Phase.BACKWARD
-                    or (inferred.watching and inferred.watches(user_frame()))
-                )
+                and (phase is BACKWARD or (inferred.watching and inferred.watches(user_frame())))
             )
         )
         event = self._event(
@@ -866,7 +874,7 @@ class RNGConsistencyMode:
                 tracked,
                 before=None,
                 after=None,
-                phase=Phase.RECOMPUTE,
+                phase=RECOMPUTE,
                 cached=True,
             )
             self._record(event)
@@ -882,7 +890,7 @@ class RNGConsistencyMode:
         if self._trace is not None:
             self._trace.add(event)
         inferred, compiled = self._inferred, self._compiled
-        if event.phase is Phase.BACKWARD:
+        if event.phase is BACKWARD:
             if call is not None and call.kind == "backward":
                 if compiled is not None:  # a compiled backward's draw: a recompute of the graph's
                     compiled.on_backward(event, call)
@@ -890,7 +898,7 @@ class RNGConsistencyMode:
             # in backward (a note).
             elif inferred is None or not inferred.on_backward(event, driver_frame()):
                 self._note_backward(event)
-        elif event.phase is Phase.FORWARD and not event.region:
+        elif event.phase is FORWARD and not event.region:
             if call is not None and compiled is not None:
                 compiled.on_forward(event, call)
             if inferred is not None:
@@ -903,10 +911,10 @@ class RNGConsistencyMode:
     def _phase(self) -> Phase:
         tracker = self.recompute_tracker
         if tracker is not None and tracker.in_recompute():
-            return Phase.RECOMPUTE
+            return RECOMPUTE
         if torch._C._current_graph_task_id() != -1:
-            return Phase.BACKWARD
-        return Phase.FORWARD
+            return BACKWARD
+        return FORWARD
 
     def _expectation(self) -> str:
         exp = current_expectation()

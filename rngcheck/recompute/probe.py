@@ -3,32 +3,60 @@ checkpointed call's generators are read at the entry and exit of its forward and
 recompute, and compared. A recompute that drew from a generator the forward drew from, starting
 from another state (or, run to its end, ending in another one), drew different random numbers: a
 ``recompute_mismatch``, localised to the region. The step after it is checked op by op, which
-names the op, its line and the likely cause."""
+names the op, its line and the likely cause.
+
+A generator torch's checkpoint restores itself (the CPU default, under ``preserve_rng_state=True``
+of ``torch.utils.checkpoint``, reentrant or not) starts the recompute in the state torch stashed as
+the forward started: its two start states are equal by torch's own restore and are not read, only
+its end states (a recompute run to its end must leave it where the forward did). Every other
+generator (user generators, a device's, anything under ``preserve_rng_state=False`` or a custom
+checkpoint) is read at all four points. Between samples that is one read per checkpointed call
+in a CPU program instead of three.
+"""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
-from ..core.events import Phase
+from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.findings import Finding, FindingKind
 from ..core.stacks import Stack
+from .causes import control_flow_cause
 from .region import Region
 
 __all__ = ["StateProbe"]
 
 _MAX_ESCALATED = 1024
-# The generators a region can draw from, and a snapshot of each (Tracked.snapshot) in that order.
-Snapshot = tuple[tuple[Any, ...], list[Any]]
+_SNAPSHOT = operator.methodcaller("snapshot")  # a tracked generator's state now
+_RESTORING = frozenset({"non-reentrant", "reentrant"})  # torch.utils.checkpoint's regions
+
+
+class _Restored:
+    """Stands for a start state that torch's restore makes equal in both passes (not read)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "RESTORED"
+
+
+RESTORED = _Restored()
+_ONLY_RESTORED = (RESTORED,)
+# The generators a region can draw from, and a snapshot of each (Tracked.snapshot, or RESTORED)
+# in that order.
+Snapshot = tuple[tuple[Any, ...], tuple[Any, ...]]
 
 
 class StateProbe:
     """Reads and compares the generator states of checkpoint regions while ``active``.
 
-    ``generators(devices)`` lists the tracked generators a region can draw from (the defaults of
-    the CPU and of its devices, and the user generators the op level has seen; the same tuple
-    while nothing new is tracked); ``emit`` takes a finding, ``escalate()`` asks for the next step
-    to be checked op by op.
+    ``generators(devices)`` lists the tracked generators a region can draw from (the CPU default
+    first, then the defaults of its devices and the user generators the op level has seen; the
+    same tuple while nothing new is tracked); ``emit`` takes a finding, ``escalate()`` asks for
+    the next step to be checked op by op; ``describe(region)`` names the layer of a region it
+    reports.
     """
 
     def __init__(
@@ -36,8 +64,10 @@ class StateProbe:
         generators: Callable[[tuple[str, ...]], tuple[Any, ...]],
         emit: Callable[[Finding], None],
         escalate: Callable[[], None],
+        describe: Callable[[Region], None] = lambda region: None,
     ) -> None:
         self._generators = generators
+        self._describe = describe
         self._emit = emit
         self._escalate = escalate
         self.active = False
@@ -45,41 +75,74 @@ class StateProbe:
         # (region line, generator) pairs already escalated: once the op level has looked at a
         # recurring mismatch, later occurrences are counted on the finding, not checked again.
         self._escalated: set[tuple[str, str]] = set()
+        self._cpu_first: tuple[tuple[Any, ...], bool] = ((), False)  # gens -> CPU default first
 
     def enter(self, region: Region, phase: Phase) -> Snapshot | None:
-        """The states of the generators a pass of ``region`` can draw from, as it starts: all
-        of them for the forward, the ones the forward drew from for the recompute (None: none
-        to watch)."""
-        if phase is Phase.FORWARD:
+        """The start states of the generators a pass of ``region`` can draw from: all of them
+        for the forward, the ones the forward drew from for the recompute (None: none to
+        watch); RESTORED for those torch restores."""
+        if phase is FORWARD:
             gens = self._generators(region.devices)
-        else:
-            forward = region.probed
-            if forward is None or region.failed:
+            if not gens:
                 return None
-            gens = forward[0]
-        return gens, [t.snapshot() for t in gens]
+            if (
+                region.preserve_rng_state is True
+                and region.kind in _RESTORING
+                and self._cpu_default_first(gens)
+            ):
+                if len(gens) == 1:
+                    return gens, _ONLY_RESTORED
+                return gens, (RESTORED, *map(_SNAPSHOT, gens[1:]))
+            return gens, tuple(map(_SNAPSHOT, gens))
+        forward = region.probed
+        if forward is None or region.failed:
+            return None
+        gens, f_in = forward[0], forward[1]
+        if f_in is _ONLY_RESTORED:
+            return gens, _ONLY_RESTORED
+        return gens, tuple(
+            RESTORED if b is RESTORED else t.snapshot() for t, b in zip(gens, f_in, strict=True)
+        )
 
     def exit(self, region: Region, phase: Phase, entry: Snapshot, completed: bool) -> None:
         gens, before = entry
-        if phase is Phase.RECOMPUTE:
+        if phase is RECOMPUTE:
             self._recompute_exit(region, gens, before, completed)
             return
-        after = [t.snapshot() for t in gens]
+        self.stats["regions"] += 1
+        if len(gens) == 1:
+            b, a = before[0], gens[0].snapshot()
+            # Drew nothing (nothing for the recompute to match), or unreadable: not watched.
+            # (A restored generator's start was not read: it is watched to the recompute's end.)
+            region.probed = None if a is None or b is None or b == a else (gens, before, (a,))
+            return
+        after = tuple(map(_SNAPSHOT, gens))
         drew = [
             i
             for i, (b, a) in enumerate(zip(before, after, strict=True))
             if b is not None and a is not None and b != a
         ]
-        self.stats["regions"] += 1
         # Only the generators the forward drew from matter to the recompute.
         region.probed = (
-            (tuple(gens[i] for i in drew), [before[i] for i in drew], [after[i] for i in drew])
+            (
+                tuple(gens[i] for i in drew),
+                tuple(before[i] for i in drew),
+                tuple(after[i] for i in drew),
+            )
             if drew
             else None
         )
 
+    def _cpu_default_first(self, gens: tuple[Any, ...]) -> bool:
+        known, first = self._cpu_first
+        if known is not gens:
+            ident = gens[0].ident
+            first = ident.is_default and ident.device == "cpu"
+            self._cpu_first = (gens, first)
+        return first
+
     def _recompute_exit(
-        self, region: Region, gens: tuple[Any, ...], before: list[Any], completed: bool
+        self, region: Region, gens: tuple[Any, ...], before: tuple[Any, ...], completed: bool
     ) -> None:
         forward = region.probed
         if forward is None or forward[0] is not gens:
@@ -90,15 +153,16 @@ class StateProbe:
             # Stopped early (torch's early stop) from the forward's states: whatever it drew,
             # it drew the forward's numbers, and the states it ends in are not compared.
             return
-        after = [t.snapshot() for t in gens]
+        after = (gens[0].snapshot(),) if len(gens) == 1 else tuple(map(_SNAPSHOT, gens))
         problem = _compare(gens, forward[1], forward[2], before, after, whole)
         if problem is None:
             return
         region.failed = True
         self.stats["mismatches"] += 1
-        tracked, what = problem
+        self._describe(region)  # its layer, named only now that it is reported
+        tracked, what, control_flow = problem
         label = tracked.ident.label
-        key = (region.site, label)
+        key = (region.where, label)
         if key not in self._escalated and len(self._escalated) < _MAX_ESCALATED:
             self._escalated.add(key)
             self._escalate()
@@ -107,7 +171,11 @@ class StateProbe:
                 kind=FindingKind.RECOMPUTE_MISMATCH,
                 message=f"{region.title}: {what.format(gen=label)} (checked at the step level)",
                 op=f"{region.kind} checkpoint",
-                cause=_cause(region, label, tracked.ident.is_default),
+                cause=(
+                    f"{control_flow_cause()}{_NEXT_STEP}"
+                    if control_flow
+                    else _cause(region, label, tracked.ident.is_default)
+                ),
                 differs="state",
                 region=region.title,
                 stack=Stack.capture(),
@@ -117,38 +185,50 @@ class StateProbe:
 
 def _compare(
     gens: tuple[Any, ...],
-    f_in: list[Any],
-    f_out: list[Any],
-    r_in: list[Any],
-    r_out: list[Any],
+    f_in: tuple[Any, ...],
+    f_out: tuple[Any, ...],
+    r_in: tuple[Any, ...],
+    r_out: tuple[Any, ...],
     whole: bool,
-) -> tuple[Any, str] | None:
-    """(the generator, what differed, with ``{gen}`` for its name) for the first generator both
-    passes drew from whose states disagree; ``whole``: the recompute ran to its end."""
+) -> tuple[Any, str, bool] | None:
+    """(the generator, what differed, with ``{gen}`` for its name, whether the passes drew
+    different amounts from one start) for the first generator both passes drew from whose
+    states disagree; ``whole``: the recompute ran to its end."""
     for i, tracked in enumerate(gens):
         before, after, r_before, r_after = f_in[i], f_out[i], r_in[i], r_out[i]
         if r_before is None or r_after is None:
             continue  # unreadable now (CUDA graph capture)
+        if r_before is RESTORED:
+            if whole and r_after != after:
+                return tracked, _RESTORED_ENDS_ELSEWHERE, True
+            continue
         if r_before == r_after:
             if whole:
-                return tracked, (
-                    "the forward drew from {gen}; the recompute, run to its end, drew nothing "
-                    "from it"
-                )
+                return tracked, _DREW_NOTHING, True
             continue  # stopped early, before its draws: nothing was drawn differently
         if r_before != before:
             digest = tracked.digest_of
-            return tracked, (
+            return (
+                tracked,
                 "the recompute drew from {gen} starting from another state than the forward "
                 f"({_hex(digest(before))} vs {_hex(digest(r_before))}), so it drew different "
-                "random numbers"
+                "random numbers",
+                False,
             )
         if whole and r_after != after:
-            return tracked, (
-                "the recompute started {gen} where the forward did but left it in another "
-                "state: it drew a different amount of random numbers"
-            )
+            return tracked, _ENDS_ELSEWHERE, True
     return None
+
+
+_RESTORED_ENDS_ELSEWHERE = (
+    "torch restored {gen} to the forward's start state for the recompute, which, run to its "
+    "end, left it in another state than the forward: it drew a different amount of random numbers"
+)
+_DREW_NOTHING = "the forward drew from {gen}; the recompute, run to its end, drew nothing from it"
+_ENDS_ELSEWHERE = (
+    "the recompute started {gen} where the forward did but left it in another state: it drew a "
+    "different amount of random numbers"
+)
 
 
 def _hex(digest: int | None) -> str:
@@ -168,7 +248,10 @@ def _cause(region: Region, label: str, is_default: bool) -> str:
         )
     else:
         why = f"{label} was not restored to the forward's state before the recompute"
-    return (
-        f"{why}. The step after this one is checked op by op: its finding names the random op, "
-        "its line and the likely cause."
-    )
+    return f"{why}.{_NEXT_STEP}"
+
+
+_NEXT_STEP = (
+    " The step after this one is checked op by op: its finding names the random op, its line "
+    "and the likely cause."
+)

@@ -35,7 +35,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.events import Phase
+from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.ops import OpKind, classify
 from .region import Region
 
@@ -45,7 +45,7 @@ __all__ = [
     "CheckpointHooks",
     "FunctionShim",
     "TorchCheckpointPatches",
-    "bind_nonreentrant",
+    "layout_of",
     "checkpoint_frame_on_stack",
     "hooks_for",
     "two_passes",
@@ -90,30 +90,6 @@ HOOKS = hooks_for(TORCH_VERSION)
 
 
 @dataclass(frozen=True, slots=True)
-class NonReentrantCall:
-    """One call of the non-reentrant entry, with the parts rngcheck reads or replaces."""
-
-    fn: Callable[..., Any]
-    preserve_rng_state: bool
-    context_fn: Callable[[], Any]
-    tensor_args: tuple[Any, ...]
-    _layout: _Layout
-    _args: tuple[Any, ...]
-    _kwargs: dict[str, Any]
-
-    def call(self, original: Callable[..., Any], fn: Any, context_fn: Any) -> Any:
-        """Call ``original`` with the same arguments but ``fn`` and ``context_fn`` replaced."""
-        args, kwargs = list(self._args), dict(self._kwargs)
-        for name, value in (("fn", fn), ("context_fn", context_fn)):
-            i = self._layout.position.get(name)
-            if i is not None and i < len(args):
-                args[i] = value
-            else:
-                kwargs[name] = value
-        return original(*args, **kwargs)
-
-
-@dataclass(frozen=True, slots=True)
 class _Layout:
     """The entry's parameters (read once from its signature), so a call is read by position or
     name as torch makes it, without ``inspect`` binding on every region. Both torch layouts:
@@ -153,6 +129,48 @@ class _Layout:
                 )
         return cls(position, defaults, varargs_at)
 
+    def read(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], bool, Any, tuple]:
+        """(fn, preserve_rng_state, context_fn, the region's input arguments) of one call."""
+        get = self.get
+        context_fn = get("context_fn", args, kwargs)
+        return (
+            get("fn", args, kwargs),
+            bool(get("preserve_rng_state", args, kwargs)),
+            context_fn if context_fn is not None else tuc.noop_context_fn,
+            self.inputs(args, kwargs),
+        )
+
+    def debug(self, args: tuple, kwargs: dict) -> bool:
+        """Whether torch runs this call with checkpoint's debug mode (its own context_fn)."""
+        enabled = getattr(tuc, "_checkpoint_debug_enabled", None)
+        if enabled is not None:
+            return bool(enabled)
+        i = self.position.get("debug")
+        if i is not None and i < len(args):
+            return bool(args[i])
+        return bool(kwargs.get("debug", False))
+
+    def call(
+        self, original: Callable[..., Any], args: tuple, kwargs: dict, fn: Any, context_fn: Any
+    ) -> Any:
+        """Call ``original`` with the arguments of a call but ``fn`` and ``context_fn``
+        replaced."""
+        position = self.position
+        fn_at, context_at = position.get("fn"), position.get("context_fn")
+        if fn_at == 0 and args and context_at is not None and context_at < len(args):
+            # torch calls the entry positionally up to 2.13: (fn, preserve, context_fn, ...)
+            replaced = list(args)
+            replaced[0], replaced[context_at] = fn, context_fn
+            return original(*replaced, **kwargs)
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for name, value in (("fn", fn), ("context_fn", context_fn)):
+            i = position.get(name)
+            if i is not None and i < len(new_args):
+                new_args[i] = value
+            else:
+                new_kwargs[name] = value
+        return original(*new_args, **new_kwargs)
+
     def get(self, name: str, args: tuple, kwargs: dict) -> Any:
         i = self.position.get(name)
         if i is not None and i < len(args):
@@ -169,21 +187,13 @@ class _Layout:
 _LAYOUTS: dict[Any, _Layout] = {}
 
 
-def bind_nonreentrant(original: Callable[..., Any], args: tuple, kwargs: dict) -> NonReentrantCall:
-    """Read a call of the non-reentrant entry through its own signature (either torch layout)."""
+def layout_of(original: Callable[..., Any]) -> _Layout:
+    """How to read a call of the non-reentrant entry ``original`` (read from its own signature
+    once; either torch layout)."""
     layout = _LAYOUTS.get(original)
     if layout is None:
         layout = _LAYOUTS[original] = _Layout.of(original)
-    context_fn = layout.get("context_fn", args, kwargs)
-    return NonReentrantCall(
-        fn=layout.get("fn", args, kwargs),
-        preserve_rng_state=bool(layout.get("preserve_rng_state", args, kwargs)),
-        context_fn=context_fn if context_fn is not None else tuc.noop_context_fn,
-        tensor_args=layout.inputs(args, kwargs),
-        _layout=layout,
-        _args=args,
-        _kwargs=kwargs,
-    )
+    return layout
 
 
 def targets() -> list[tuple[Any, str]]:
@@ -249,6 +259,8 @@ class Tracker(Protocol):
     """What the shims need of the recompute tracker."""
 
     recorded: int
+    probe: Any  # level="step": the generator-state probe (``active`` between sampled steps)
+    live: bool
 
     def new_region(
         self,
@@ -262,6 +274,8 @@ class Tracker(Protocol):
 
     def phase(self, region: Region, phase: Phase) -> Any: ...
 
+    def probed_passes(self, region: Region) -> Callable[[], tuple[Any, Any]]: ...
+
     def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None: ...
 
 
@@ -271,7 +285,7 @@ def two_passes(tracker: Tracker, region: Region, function: Callable[..., Any]) -
     calls = itertools.count()
 
     def run(*inner: Any) -> Any:
-        phase = Phase.FORWARD if next(calls) == 0 else Phase.RECOMPUTE
+        phase = FORWARD if next(calls) == 0 else RECOMPUTE
         with tracker.phase(region, phase):
             return function(*inner)
 
@@ -295,19 +309,20 @@ class TorchCheckpointPatches:
                 "these checkpoint regions begin, so their recomputes are not compared"
             )
         original = getattr(tuc, HOOKS.nonreentrant, None)
-        if original is not None and original not in _LAYOUTS:
+        layout: _Layout | None = None
+        if original is not None:
             try:
-                _LAYOUTS[original] = _Layout.of(original)
+                layout = layout_of(original)
             except TypeError as e:  # a torch whose entry reads its call differently
                 self.gaps.append(
                     f"torch {torch.__version__}: {e}; rngcheck cannot read these checkpoint "
                     "regions, so their recomputes are not compared"
                 )
-                original = None
-        if original is not None:
+        if original is not None and layout is not None:
+            entry, read = original, layout
 
             def nonreentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
-                return self._nonreentrant(original, args, kwargs)
+                return self._nonreentrant(entry, read, args, kwargs)
 
             for owner, name in targets():
                 self._patch(owner, name, nonreentrant)
@@ -333,34 +348,73 @@ class TorchCheckpointPatches:
         setattr(owner, name, replacement)
 
     def _nonreentrant(
-        self, original: Callable[..., Any], args: tuple, kwargs: dict
+        self, original: Callable[..., Any], layout: _Layout, args: tuple, kwargs: dict
     ) -> Iterator[None]:
         tracker = self._tracker
-        call = bind_nonreentrant(original, args, kwargs)
+        fn, preserve, context_fn, inputs = layout.read(args, kwargs)
         region = tracker.new_region(
-            kind="non-reentrant",
-            preserve_rng_state=call.preserve_rng_state,
-            args=call.tensor_args,
-            function=call.fn,
+            kind="non-reentrant", preserve_rng_state=preserve, args=inputs, function=fn
         )
-        fn = call.fn
+        probe = tracker.probe
+        if (
+            probe is not None
+            and probe.active
+            and context_fn is tuc.noop_context_fn
+            and not layout.debug(args, kwargs)
+            and not _tracing()
+        ):
+            # Between sampled steps (level="step"): torch's own forward and recompute contexts
+            # mark the two passes, with no generator or function of rngcheck's around torch's
+            # (a third of a region's cost there). torch enters neither under no_grad, where
+            # nothing is recomputed.
+            return layout.call(original, args, kwargs, fn, tracker.probed_passes(region))
+        return self._around(original, layout, args, kwargs, region, fn, context_fn)
+
+    def _around(
+        self,
+        original: Callable[..., Any],
+        layout: _Layout,
+        args: tuple,
+        kwargs: dict,
+        region: Region,
+        fn: Callable[..., Any],
+        context_fn: Any,
+    ) -> Iterator[None]:
+        """torch's generator for one region, its forward and its function's recomputes marked
+        from outside (so every context_fn, debug=True and traced code keep working)."""
+        tracker = self._tracker
 
         def recompute_fn(*inner: Any, **kw: Any) -> Any:
-            with tracker.phase(region, Phase.RECOMPUTE):
+            with tracker.phase(region, RECOMPUTE):
                 return fn(*inner, **kw)
 
-        context_fn = call.context_fn
-        region.selective = context_fn is not tuc.noop_context_fn
-        if context_fn is not tuc.noop_context_fn and not torch.compiler.is_compiling():
-            user_context_fn = context_fn
+        if context_fn is not tuc.noop_context_fn:
+            region.selective = True
+            if not torch.compiler.is_compiling():
+                user_context_fn = context_fn
 
-            def context_fn() -> tuple[Any, Any]:
-                forward_ctx, recompute_ctx = user_context_fn()
-                return forward_ctx, _ObservedRecompute(recompute_ctx, tracker)
+                def context_fn() -> tuple[Any, Any]:
+                    forward_ctx, recompute_ctx = user_context_fn()
+                    return forward_ctx, _ObservedRecompute(recompute_ctx, tracker)
 
-        inner = call.call(original, recompute_fn, context_fn)
-        with tracker.phase(region, Phase.FORWARD):
+        inner = layout.call(original, args, kwargs, recompute_fn, context_fn)
+        with tracker.phase(region, FORWARD):
             yield from inner
+
+
+_dispatch_mode = torch._C._get_dispatch_mode
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
+
+
+def _tracing() -> bool:
+    """Whether torch traces the call (torch.compile, export): torch's checkpoint then wants
+    context managers that are dispatch modes (torch's own test, and the flag behind
+    ``torch.compiler.is_compiling()``, read directly: this runs for every region)."""
+    return (
+        _dispatch_mode(_PROXY) is not None
+        or getattr(torch.compiler, "_is_compiling_flag", True)
+        and torch.compiler.is_compiling()
+    )
 
 
 class FunctionShim:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..core.events import Phase, RandomOpEvent
+from ..core.events import FORWARD, RECOMPUTE, Phase, RandomOpEvent
 from ..core.findings import Finding
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
@@ -38,6 +38,7 @@ __all__ = ["RecomputeTracker"]
 # per-element random ops.
 _MAX_REGION_OPS = 100_000
 _MAX_REPORTED = 4096
+_MAX_WAITING = 4096
 
 
 class _Local(threading.local):
@@ -76,9 +77,10 @@ class RecomputeTracker:
         self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0, "unpaired": 0}
         self._modules = ModuleNames()
         self.probe: StateProbe | None = None  # level="step": generator states, between samples
-        # Regions whose forward ended and whose recompute has not begun (held weakly: a graph
-        # freed without backward takes its regions with it).
-        self._waiting: weakref.WeakSet[Region] = weakref.WeakSet()
+        # Regions whose forward ended and whose recompute has not begun, by number (held
+        # weakly: a graph freed without backward takes its regions with it; the dead ones are
+        # dropped when asked, which costs less than a WeakSet's callbacks twice a region).
+        self._waiting: dict[int, weakref.ReferenceType[Region]] = {}
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -108,10 +110,25 @@ class RecomputeTracker:
 
     def waiting(self) -> bool:
         """Whether a checkpointed forward still waits for its recompute."""
-        return bool(self._waiting)
+        waiting = self._waiting
+        for number, region in list(waiting.items()):
+            if region() is not None:
+                return True
+            del waiting[number]
+        return False
+
+    def _wait_for_recompute(self, region: Region) -> None:
+        waiting = self._waiting
+        if len(waiting) >= _MAX_WAITING:  # forwards run without backward (evaluation)
+            for number, alive in list(waiting.items()):
+                if alive() is None:
+                    del waiting[number]
+            if len(waiting) >= _MAX_WAITING:
+                waiting.clear()  # rather forget than grow: a switch is postponed less
+        waiting[region.number] = weakref.ref(region)
 
     def in_recompute(self) -> bool:
-        return any(phase is Phase.RECOMPUTE for _, phase in self._local.active)
+        return any(phase is RECOMPUTE for _, phase in self._local.active)
 
     def innermost(self) -> str:
         # The title, with the user's line: cheap now that a region finds its site by a frame
@@ -130,26 +147,46 @@ class RecomputeTracker:
         name: str = "",
         function: Any = None,
     ) -> Region:
-        devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
-        self.stats["regions"] += 1
+        stats = self.stats
+        stats["regions"] += 1
+        probe = self.probe
+        if probe is not None and probe.active:
+            # Between sampled steps: the probe names the layer if it reports (the step after
+            # it, checked op by op, names the line; finding the line here and the layer's
+            # name were a quarter of a region's cost).
+            site = module = ""
+        else:
+            site = user_site()
+            module = self._modules.describe(function) if function is not None else ""
         return Region(
-            number=self.stats["regions"],
+            number=stats["regions"],
             kind=kind,
             name=name,
-            site=user_site(),
-            module=self._modules.describe(function) if function is not None else "",
+            site=site,
+            module=module,
+            function=function,
             preserve_rng_state=preserve_rng_state,
-            devices=tuple(devices),
+            devices=_devices(args),
         )
+
+    def describe(self, region: Region) -> None:
+        """Name the layer of a region made between sampled steps (when it is reported)."""
+        if not region.module and region.function is not None:
+            region.module = self._modules.describe(region.function)
 
     def phase(self, region: Region, phase: Phase) -> _PhaseBlock:
         """A ``with`` block for one pass of ``region`` (a small class: it runs twice a region)."""
         return _PhaseBlock(self, region, phase)
 
+    def probed_passes(self, region: Region) -> _ProbedPasses:
+        """Both passes of a region made between sampled steps, as one context torch enters for
+        its forward and again for each recompute (``context_fn`` returns it twice)."""
+        return _ProbedPasses(self, region)
+
     def on_event(self, event: RandomOpEvent) -> None:
         """Record a random op in every active region of this thread; compare recomputes."""
         for region, phase in list(self._local.active):
-            if phase is Phase.FORWARD:
+            if phase is FORWARD:
                 if len(region.forward) < _MAX_REGION_OPS:
                     region.forward.append(event)
                 else:
@@ -246,41 +283,132 @@ class _PhaseBlock:
         self._states: Any = None
 
     def __enter__(self) -> None:
-        tracker, region, phase = self._tracker, self._region, self._phase
+        tracker = self._tracker
         if not tracker.live:
             return
+        region, phase = self._region, self._phase
         probe = tracker.probe
         probing = probe is not None and probe.active
-        if phase is Phase.RECOMPUTE:
-            tracker._waiting.discard(region)
-            region.recompute = []
-            tracker.stats["recomputes"] += 1
+        if phase is RECOMPUTE:
+            tracker._waiting.pop(region.number, None)
+            stats = tracker.stats
+            stats["recomputes"] += 1
             region.unpaired = region.by_probe is not probing
             if region.unpaired:
-                tracker.stats["unpaired"] += 1
+                stats["unpaired"] += 1
+            if not probing:
+                region.recompute = []
         else:
-            region.forward = []
-            region.by_probe = probing
+            region.by_probe = probing  # (a region's forward runs once: its list is new)
         self._entry = entry = (region, phase)
         tracker._local.active.append(entry)
-        if probe is not None and probing:
-            self._states = probe.enter(region, phase)
+        if probing:
+            self._states = probe.enter(region, phase)  # type: ignore[union-attr]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         entry = self._entry
         if entry is None:
             return
-        tracker = self._tracker
-        _remove(tracker._local.active, entry)
-        if self._phase is Phase.FORWARD and exc_type is None:
-            tracker._waiting.add(self._region)
+        tracker, region = self._tracker, self._region
+        active = tracker._local.active
+        if active and active[-1] is entry:
+            active.pop()
+        else:
+            _remove(active, entry)
+        if self._phase is FORWARD:
+            if exc_type is None:
+                tracker._wait_for_recompute(region)
+        elif exc_type is None and not region.by_probe:
+            # Only a recompute that ran to its end must have run every random op of the
+            # forward. A non-reentrant early stop leaves by _StopRecomputationError, and is a
+            # correct prefix; any other exception is the user's (or a raised finding) and skips
+            # this check too.
+            tracker._check_complete(region)
         if self._states is not None and tracker.probe is not None:
-            tracker.probe.exit(self._region, self._phase, self._states, exc_type is None)
-        # Only a recompute that ran to its end must have run every random op of the forward. A
-        # non-reentrant early stop leaves by _StopRecomputationError, and is a correct prefix;
-        # any other exception is the user's (or a raised finding) and skips this check too.
-        if exc_type is None and self._phase is Phase.RECOMPUTE:
-            tracker._check_complete(self._region)
+            tracker.probe.exit(region, self._phase, self._states, exc_type is None)
+
+
+class _ProbedPasses:
+    """Both passes of a region made between sampled steps (level="step"): torch's checkpoint
+    enters it as its forward's context, then as each recompute's; the first entry is the
+    forward. Its generators are probed and nothing else is recorded: no op is intercepted
+    between samples, so the pass is not pushed on the thread's active regions either (their
+    readers all run on intercepted ops; the level changes only at an optimizer step, never
+    inside a pass). A pass that starts while ops are checked one by one (the level changed at
+    an optimizer step in between: a GAN's) is a :class:`_PhaseBlock`, which leaves such a
+    recompute unpaired."""
+
+    __slots__ = ("_tracker", "_region", "_forward_ran", "_phase", "_states", "_block")
+
+    def __init__(self, tracker: RecomputeTracker, region: Region) -> None:
+        self._tracker = tracker
+        self._region = region
+        self._forward_ran = False
+        self._phase: Phase | None = None  # the probed pass running now
+        self._states: Any = None
+        self._block: _PhaseBlock | None = None
+
+    def __call__(self) -> tuple[_ProbedPasses, _ProbedPasses]:
+        return self, self  # torch's context_fn: (the forward's context, the recompute's)
+
+    def __enter__(self) -> None:
+        tracker, region = self._tracker, self._region
+        probe = tracker.probe
+        forward = not self._forward_ran
+        self._forward_ran = True
+        if (
+            probe is None
+            or not probe.active
+            or not tracker.live
+            or not (forward or region.by_probe)
+        ):
+            self._block = _PhaseBlock(tracker, region, FORWARD if forward else RECOMPUTE)
+            self._block.__enter__()
+            return
+        if forward:
+            region.by_probe = True
+            phase = FORWARD
+        else:
+            tracker._waiting.pop(region.number, None)
+            tracker.stats["recomputes"] += 1
+            region.unpaired = False
+            phase = RECOMPUTE
+        self._phase = phase
+        self._states = probe.enter(region, phase)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        block = self._block
+        if block is not None:
+            self._block = None
+            block.__exit__(exc_type, exc, tb)
+            return
+        phase, states = self._phase, self._states
+        if phase is None:
+            return
+        self._phase = self._states = None
+        tracker, region = self._tracker, self._region
+        if phase is FORWARD and exc_type is None:
+            waiting = tracker._waiting
+            if len(waiting) < _MAX_WAITING:
+                waiting[region.number] = weakref.ref(region)
+            else:
+                tracker._wait_for_recompute(region)
+        if states is not None and tracker.probe is not None:
+            tracker.probe.exit(region, phase, states, exc_type is None)
+
+
+def _devices(args: tuple) -> tuple[str, ...]:
+    """The device types of the tensors among ``args``, sorted (``is_cpu`` is a tenth of the
+    cost of ``device.type``)."""
+    found: tuple[str, ...] = ()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            kind = "cpu" if a.is_cpu else a.device.type
+            if not found:
+                found = (kind,)
+            elif kind not in found:
+                found = tuple(sorted((*found, kind)))
+    return found
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
