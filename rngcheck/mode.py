@@ -272,7 +272,6 @@ class RNGConsistencyMode:
                         self._probe_generators,
                         self._sink.emit,
                         self._request_escalation,
-                        self.recompute_tracker.describe,
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()

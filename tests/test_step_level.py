@@ -242,13 +242,13 @@ def test_an_early_stopping_recompute_before_the_extra_draw_is_quiet():
     assert mode.report.meta["level"]["checkpoint_probe"]["compared"] == 6
 
 
-def test_a_plain_function_region_between_samples_is_named_by_its_definition():
+def test_a_plain_function_region_between_samples_is_named_by_its_line():
     lin = nn.Linear(8, 8)
     opt = torch.optim.SGD(lin.parameters(), lr=0.01)
     noise = torch.Generator().manual_seed(5)
     bug = False
 
-    def noisy_block(x):  # <- noisy block
+    def noisy_block(x):
         h = lin(x)
         return h * (torch.rand(h.shape, generator=noise) > 0.2) if bug else F.dropout(h, 0.2)
 
@@ -256,13 +256,79 @@ def test_a_plain_function_region_between_samples_is_named_by_its_definition():
         for step in range(1, 10):
             bug = step >= 5
             x = torch.randn(4, 8, generator=noise)  # (known from step 1: the data's)
-            checkpoint(noisy_block, x, use_reentrant=False).sum().backward()
+            out = checkpoint(noisy_block, x, use_reentrant=False)  # <- noisy call
+            out.sum().backward()
             opt.step()
     step_level = next(f for f in mode.report.findings if f.op == "non-reentrant checkpoint")
-    file, lineno = marked_line("noisy block")
-    where = f"noisy_block ({os.path.basename(file)}:{lineno})"
+    file, lineno = marked_line("noisy call")  # (a layer is named by its layer instead)
+    where = f"(non-reentrant) at {os.path.basename(file)}:{lineno}"
     assert where in step_level.region and where in step_level.message, step_level.region
     assert step_level.first_step == 5
+
+
+def test_a_derivative_inside_the_region_still_leaves_its_recompute_checked():
+    """``torch.autograd.grad`` inside a checkpointed function (a physics-informed loss) makes torch
+    recompute the region inside its own forward: the real recompute in backward is still
+    compared between samples, found at step 6 and located at step 7."""
+    lin = nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    extra = False
+
+    def block(x):
+        h = torch.tanh(lin(x))
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        out = F.dropout(h + g, 0.2)
+        return out + 0.0 * torch.rand(out.shape) if extra else out
+
+    torch.manual_seed(0)
+    with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
+        for step in range(1, 11):
+            x = torch.randn(4, 8, requires_grad=True)
+            with tuc.set_checkpoint_early_stop(False):
+                out = checkpoint(block, x, use_reentrant=False)
+            extra = step >= 6  # the recompute draws more from here on
+            out.sum().backward()
+            extra = False
+            opt.step()
+    step_level = [f for f in mode.report.findings if f.op == "non-reentrant checkpoint"]
+    assert step_level and step_level[0].first_step == 6, [f.message for f in step_level]
+    assert any(f.first_step == 7 and f is not step_level[0] for f in mode.report.findings)
+    assert not mode.recompute_tracker.waiting()
+
+
+def test_two_marked_regions_with_bugs_at_different_times_are_each_located():
+    """Regions of ``checkpoint_region`` between samples are told apart by their name and line:
+    each one's bug is escalated and located op by op."""
+    lin = nn.Linear(8, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+
+    def marked(name: str, x: torch.Tensor, restore: bool) -> torch.Tensor:
+        region = rngcheck.checkpoint_region(name)
+        start = torch.get_rng_state()
+        with region.forward():  # <- marked forward
+            y = F.dropout(lin(x), 0.2)
+        after = torch.get_rng_state()
+        if restore:
+            torch.set_rng_state(start)
+        with region.recompute():
+            F.dropout(lin(x), 0.2)
+        torch.set_rng_state(after)
+        return y
+
+    torch.manual_seed(0)
+    with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
+        for step in range(1, 14):
+            y = marked("attn", torch.randn(4, 8), restore=not 4 <= step <= 5)
+            z = marked("mlp", y, restore=step < 9)
+            (y.sum() + z.sum()).backward()
+            opt.step()
+    level = mode.report.meta["level"]
+    assert level["escalations"] == 2 and level["op_level"] == ["1-2", "5", "10"], level
+    # Both located op by op (one finding: the same line draws both masks), attn's first.
+    (located,) = [f for f in mode.report.findings if f.op.startswith("aten.")]
+    assert (located.first_step, located.last_step, located.count) == (5, 10, 2)
+    file, lineno = marked_line("marked forward")
+    assert located.region == f"attn (custom) at {os.path.basename(file)}:{lineno}"
 
 
 @pytest.mark.parametrize("how", ["debug=True", "no_grad", "debug enabled"])

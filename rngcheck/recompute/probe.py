@@ -55,8 +55,7 @@ class StateProbe:
     ``generators(devices)`` lists the tracked generators a region can draw from (the CPU default
     first, then the defaults of its devices and the user generators the op level has seen; the
     same tuple while nothing new is tracked); ``emit`` takes a finding, ``escalate()`` asks for
-    the next step to be checked op by op; ``describe(region)`` names the layer of a region it
-    reports.
+    the next step to be checked op by op.
     """
 
     def __init__(
@@ -64,10 +63,8 @@ class StateProbe:
         generators: Callable[[tuple[str, ...]], tuple[Any, ...]],
         emit: Callable[[Finding], None],
         escalate: Callable[[], None],
-        describe: Callable[[Region], None] = lambda region: None,
     ) -> None:
         self._generators = generators
-        self._describe = describe
         self._emit = emit
         self._escalate = escalate
         self.active = False
@@ -159,7 +156,6 @@ class StateProbe:
             return
         region.failed = True
         self.stats["mismatches"] += 1
-        self._describe(region)  # its layer, named only now that it is reported
         tracked, what, control_flow = problem
         label = tracked.ident.label
         key = (region.where, label)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.events import RandomOpEvent
 from ..core.findings import Finding, FindingKind, Side
 
-__all__ = ["Region", "defined_at", "mismatch_finding"]
+__all__ = ["Region", "mismatch_finding"]
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -20,11 +18,10 @@ class _RegionFields:
     number: int = 0  # the mode's count of checkpointed calls (1 for its first)
     kind: str  # "non-reentrant", "reentrant", "custom" or "torch_xla"
     name: str = ""  # a given name ("" for torch's: "checkpoint #12")
-    # "train.py:40": the user's line that entered the region ("" between sampled steps of
-    # level="step", where finding it cost more than the rest of the region's check)
+    # "train.py:40": the user's line that entered the region ("" for a layer's region between
+    # sampled steps of level="step": its layer names it)
     site: str
     module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
-    function: Any = None  # what was checkpointed (named by its definition when no site is known)
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     devices: tuple[str, ...] = ()  # device types of the tensor arguments (what torch stashes)
     forward: list[RandomOpEvent] = field(default_factory=list)
@@ -43,34 +40,19 @@ class _RegionFields:
     def title(self) -> str:
         name = self.name or (f"checkpoint #{self.number}" if self.number else "checkpoint")
         layer = f" of {self.module}" if self.module else ""
-        if self.site:
-            return f"{name} ({self.kind}){layer} at {self.site}"
-        if not layer and self.function is not None:
-            layer = f" of {defined_at(self.function)}"
-        return f"{name} ({self.kind}){layer}"
+        at = f" at {self.site}" if self.site else ""
+        return f"{name} ({self.kind}){layer}{at}"
 
     @property
     def where(self) -> str:
-        """What tells this region's checkpointed code apart: its site, else its layer, else
-        the definition of its function."""
-        return self.site or self.module or defined_at(self.function)
+        """What tells this region's checkpointed code apart: its given name and its line, else
+        its layer."""
+        return f"{self.name}@{self.site or self.module}"
 
     @property
     def custom(self) -> bool:
         """The checkpoint is not torch.utils.checkpoint: causes name its own restore."""
         return self.kind in ("custom", "torch_xla", "inferred")
-
-
-def defined_at(function: Any) -> str:
-    """``"block (train.py:12)"``: a checkpointed function by its name and definition."""
-    inner = function
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    code = getattr(inner, "__code__", None)
-    name = getattr(inner, "__qualname__", None) or type(inner).__name__
-    if code is None:
-        return name
-    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 class Region(_RegionFields):

@@ -15,6 +15,7 @@ cause worked out from what the two events and their out-of-band seeding calls sh
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class RecomputeTracker:
         self.live = False
         # What was checked, for the report: regions entered, recomputes run, ops compared.
         self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0, "unpaired": 0}
+        self._numbers = itertools.count(1)
         self._modules = ModuleNames()
         self.probe: StateProbe | None = None  # level="step": generator states, between samples
         # Regions whose forward ended and whose recompute has not begun, by number (held
@@ -114,7 +116,7 @@ class RecomputeTracker:
         for number, region in list(waiting.items()):
             if region() is not None:
                 return True
-            del waiting[number]
+            waiting.pop(number, None)  # (another thread may have dropped it first)
         return False
 
     def _wait_for_recompute(self, region: Region) -> None:
@@ -122,7 +124,7 @@ class RecomputeTracker:
         if len(waiting) >= _MAX_WAITING:  # forwards run without backward (evaluation)
             for number, alive in list(waiting.items()):
                 if alive() is None:
-                    del waiting[number]
+                    waiting.pop(number, None)
             if len(waiting) >= _MAX_WAITING:
                 waiting.clear()  # rather forget than grow: a switch is postponed less
         waiting[region.number] = weakref.ref(region)
@@ -147,32 +149,22 @@ class RecomputeTracker:
         name: str = "",
         function: Any = None,
     ) -> Region:
-        stats = self.stats
-        stats["regions"] += 1
+        self.stats["regions"] += 1
+        module = self._modules.describe(function) if function is not None else ""
         probe = self.probe
-        if probe is not None and probe.active:
-            # Between sampled steps: the probe names the layer if it reports (the step after
-            # it, checked op by op, names the line; finding the line here and the layer's
-            # name were a quarter of a region's cost).
-            site = module = ""
-        else:
-            site = user_site()
-            module = self._modules.describe(function) if function is not None else ""
+        # Between sampled steps a region of a layer is named by the layer (a dict lookup once
+        # known) and its line is not looked for (walking to the user's frame was a fifth of a
+        # region's cost there): the step after a finding, checked op by op, names the line.
+        site = "" if module and probe is not None and probe.active else user_site()
         return Region(
-            number=stats["regions"],
+            number=next(self._numbers),  # (unique across threads: waiting regions by number)
             kind=kind,
             name=name,
             site=site,
             module=module,
-            function=function,
             preserve_rng_state=preserve_rng_state,
             devices=_devices(args),
         )
-
-    def describe(self, region: Region) -> None:
-        """Name the layer of a region made between sampled steps (when it is reported)."""
-        if not region.module and region.function is not None:
-            region.module = self._modules.describe(region.function)
 
     def phase(self, region: Region, phase: Phase) -> _PhaseBlock:
         """A ``with`` block for one pass of ``region`` (a small class: it runs twice a region)."""
@@ -331,22 +323,23 @@ class _PhaseBlock:
 class _ProbedPasses:
     """Both passes of a region made between sampled steps (level="step"): torch's checkpoint
     enters it as its forward's context, then as each recompute's; the first entry is the
-    forward. Its generators are probed and nothing else is recorded: no op is intercepted
-    between samples, so the pass is not pushed on the thread's active regions either (their
+    forward (a recompute may also run inside it: ``torch.autograd.grad`` in the checkpointed
+    function). Its generators are probed and nothing else is recorded: no op is intercepted
+    between samples, so a pass is not pushed on the thread's active regions either (their
     readers all run on intercepted ops; the level changes only at an optimizer step, never
     inside a pass). A pass that starts while ops are checked one by one (the level changed at
     an optimizer step in between: a GAN's) is a :class:`_PhaseBlock`, which leaves such a
     recompute unpaired."""
 
-    __slots__ = ("_tracker", "_region", "_forward_ran", "_phase", "_states", "_block")
+    __slots__ = ("_tracker", "_region", "_forward_ran", "_open")
 
     def __init__(self, tracker: RecomputeTracker, region: Region) -> None:
         self._tracker = tracker
         self._region = region
         self._forward_ran = False
-        self._phase: Phase | None = None  # the probed pass running now
-        self._states: Any = None
-        self._block: _PhaseBlock | None = None
+        # The passes open now, innermost last: (phase, start states) when probed, else the
+        # _PhaseBlock that runs it.
+        self._open: list[tuple[Phase, Any] | _PhaseBlock] = []
 
     def __call__(self) -> tuple[_ProbedPasses, _ProbedPasses]:
         return self, self  # torch's context_fn: (the forward's context, the recompute's)
@@ -362,8 +355,9 @@ class _ProbedPasses:
             or not tracker.live
             or not (forward or region.by_probe)
         ):
-            self._block = _PhaseBlock(tracker, region, FORWARD if forward else RECOMPUTE)
-            self._block.__enter__()
+            block = _PhaseBlock(tracker, region, FORWARD if forward else RECOMPUTE)
+            self._open.append(block)
+            block.__enter__()
             return
         if forward:
             region.by_probe = True
@@ -373,19 +367,16 @@ class _ProbedPasses:
             tracker.stats["recomputes"] += 1
             region.unpaired = False
             phase = RECOMPUTE
-        self._phase = phase
-        self._states = probe.enter(region, phase)
+        self._open.append((phase, probe.enter(region, phase)))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        block = self._block
-        if block is not None:
-            self._block = None
-            block.__exit__(exc_type, exc, tb)
+        if not self._open:
             return
-        phase, states = self._phase, self._states
-        if phase is None:
+        opened = self._open.pop()
+        if isinstance(opened, _PhaseBlock):
+            opened.__exit__(exc_type, exc, tb)
             return
-        self._phase = self._states = None
+        phase, states = opened
         tracker, region = self._tracker, self._region
         if phase is FORWARD and exc_type is None:
             waiting = tracker._waiting
