@@ -31,7 +31,8 @@ class ModuleNames:
     def describe(self, function: Any) -> str:
         """``"model.layers.3 (LlamaDecoderLayer)"`` when ``function`` is (a wrapper of) a module
         or one of its methods; ``""`` when it is not."""
-        module = _module_of(function)
+        # (checkpoint(layer, x): no unwrapping)
+        module = function if isinstance(function, nn.Module) else _module_of(function)
         if module is None:
             return ""
         known = self._described.get(id(module))  # a dict lookup: no weakref made to ask

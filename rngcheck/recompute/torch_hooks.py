@@ -99,6 +99,9 @@ class _Layout:
     position: dict[str, int]  # parameters a call may pass by position
     defaults: dict[str, Any]
     varargs_at: int | None  # where ``*args`` (the region's inputs) starts, when the entry has one
+    # Up to 2.13 torch passes every parameter before the inputs by position: where fn,
+    # preserve_rng_state, context_fn and debug are then, and where the inputs start.
+    positional: tuple[int, int, int, int, int] | None = None
 
     @classmethod
     def of(cls, original: Callable[..., Any]) -> _Layout:
@@ -127,28 +130,36 @@ class _Layout:
                     f"{original!r} has no {needed!r} parameter: torch's checkpoint entry changed "
                     f"its signature to {inspect.signature(original)}"
                 )
-        return cls(position, defaults, varargs_at)
+        names = ("fn", "preserve_rng_state", "context_fn", "debug")
+        positional = None
+        if varargs_at is not None and all(n in position for n in names):
+            fn_at, preserve_at, context_at, debug_at = (position[n] for n in names)
+            positional = (fn_at, preserve_at, context_at, debug_at, varargs_at)
+        return cls(position, defaults, varargs_at, positional)
 
-    def read(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], bool, Any, tuple]:
-        """(fn, preserve_rng_state, context_fn, the region's input arguments) of one call."""
+    def read(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], bool, Any, bool, tuple]:
+        """(fn, preserve_rng_state, context_fn, debug, the region's input arguments) of one
+        call (``debug``: the call's argument; torch's global switch overrides it)."""
+        fast = self.positional
+        if fast is not None and len(args) >= fast[4]:
+            fn_at, preserve_at, context_at, debug_at, inputs_at = fast
+            context_fn = args[context_at]
+            return (
+                args[fn_at],
+                bool(args[preserve_at]),
+                context_fn if context_fn is not None else tuc.noop_context_fn,
+                bool(args[debug_at]),
+                args[inputs_at:],
+            )
         get = self.get
         context_fn = get("context_fn", args, kwargs)
         return (
             get("fn", args, kwargs),
             bool(get("preserve_rng_state", args, kwargs)),
             context_fn if context_fn is not None else tuc.noop_context_fn,
+            "debug" in self.defaults and bool(get("debug", args, kwargs)),
             self.inputs(args, kwargs),
         )
-
-    def debug(self, args: tuple, kwargs: dict) -> bool:
-        """Whether torch runs this call with checkpoint's debug mode (its own context_fn)."""
-        enabled = getattr(tuc, "_checkpoint_debug_enabled", None)
-        if enabled is not None:
-            return bool(enabled)
-        i = self.position.get("debug")
-        if i is not None and i < len(args):
-            return bool(args[i])
-        return bool(kwargs.get("debug", False))
 
     def call(
         self, original: Callable[..., Any], args: tuple, kwargs: dict, fn: Any, context_fn: Any
@@ -351,7 +362,7 @@ class TorchCheckpointPatches:
         self, original: Callable[..., Any], layout: _Layout, args: tuple, kwargs: dict
     ) -> Iterator[None]:
         tracker = self._tracker
-        fn, preserve, context_fn, inputs = layout.read(args, kwargs)
+        fn, preserve, context_fn, debug, inputs = layout.read(args, kwargs)
         region = tracker.new_region(
             kind="non-reentrant", preserve_rng_state=preserve, args=inputs, function=fn
         )
@@ -360,7 +371,7 @@ class TorchCheckpointPatches:
             probe is not None
             and probe.active
             and context_fn is tuc.noop_context_fn
-            and not layout.debug(args, kwargs)
+            and not _debugging(debug)
             and not _tracing()
         ):
             # Between sampled steps (level="step"): torch's own forward and recompute contexts
@@ -400,6 +411,13 @@ class TorchCheckpointPatches:
         inner = layout.call(original, args, kwargs, recompute_fn, context_fn)
         with tracker.phase(region, FORWARD):
             yield from inner
+
+
+def _debugging(debug: bool) -> bool:
+    """Whether torch runs a call with checkpoint's debug mode (its own context_fn): its global
+    switch, else the call's ``debug``."""
+    enabled = getattr(tuc, "_checkpoint_debug_enabled", None)
+    return debug if enabled is None else bool(enabled)
 
 
 _dispatch_mode = torch._C._get_dispatch_mode
