@@ -583,7 +583,7 @@ def ddp_dropout_variable_lengths(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
-def _replicated_extra_draw(rank: int, from_step: int, steps: int = 12) -> dict[str, Any]:
+def _replicated_extra_draw(rank: int, from_step: int, steps: int = 36) -> dict[str, Any]:
     """Replicated training (gradients averaged by hand): from ``from_step`` rank 1 draws one extra
     number every step. Between samples the generator digests drift apart."""
     import torch.distributed as dist
@@ -623,7 +623,7 @@ def gan_on_two_ranks(rank: int, world: int) -> dict[str, Any]:
 
 def replicated_extra_draw_in_the_last_round(rank: int, world: int) -> dict[str, Any]:
     """The drift starts in the steps the mode's end sends: said in a note, never dropped."""
-    return _replicated_extra_draw(rank, from_step=10)
+    return _replicated_extra_draw(rank, from_step=34)
 
 
 @pytest.fixture(scope="module")
@@ -657,9 +657,9 @@ def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(two: An
         assert finding["kind"] == "rank_divergence" and finding["op"] == "aten.rand.default"
         assert finding["site"] == f"test_step_level.py:{line}", finding
         assert r["level"]["drifted_at_steps"] == [6]
-        # Drift from step 6, in the round of steps 1-8 (settled at step 9's hook): step 10 ran op
-        # by op and located it.
-        assert r["level"]["op_level"] == ["1-2", "10"] and finding["first_step"] == 10, r
+        # Drift from step 6, in the round of steps 1-32 (settled at step 33's hook): step 34 ran
+        # op by op and located it.
+        assert r["level"]["op_level"] == ["1-2", "34"] and finding["first_step"] == 34, r
         assert "step_level_drift" in r["notes"]
 
 
