@@ -1,4 +1,6 @@
-"""Memory over many steps under rngcheck with its defaults: flat once the event window is full.
+"""Memory over many steps under rngcheck with its defaults (flat once the event window is full)
+and at ``level="step"`` between samples (flat: no event is kept, regions and exchange rounds are
+dropped with their step).
 
     .venv/bin/python -m benchmarks.memory              # 1000 steps at d=32 (about a minute)
     .venv/bin/python -m benchmarks.memory --quick
@@ -15,6 +17,7 @@ import os
 import sys
 import tracemalloc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,13 +43,15 @@ def _rss() -> int:
         return 0
 
 
-def run(steps: int, d: int = 32, samples: int = 6, window: int | None = None) -> list[Sample]:
-    """Train ``steps`` steps under ``RNGConsistencyMode()``, sampling memory evenly."""
+def run(
+    steps: int, d: int = 32, samples: int = 6, window: int | None = None, **config: Any
+) -> list[Sample]:
+    """Train ``steps`` steps under ``RNGConsistencyMode(**config)``, sampling memory evenly."""
     import rngcheck
 
     torch.set_num_threads(1)
     _model, step = make_step(d)
-    kwargs = {} if window is None else {"window": window}
+    kwargs = dict(config) if window is None else {**config, "window": window}
     marks = {max(1, steps * (i + 1) // samples) for i in range(samples)}
     out: list[Sample] = []
     step()  # first-call allocations (autograd graph caches, optimizer state) are not the checker's
@@ -107,17 +112,41 @@ def summary(samples: list[Sample]) -> str:
     return text
 
 
-def section(quick: bool) -> tuple[str, list[dict[str, int]]]:
+def step_level_summary(samples: list[Sample]) -> str:
+    """Growth between samples at level="step", after its first steps (checked op by op)."""
+    later = [s for s in samples if s.step >= 10]
+    if len(later) < 2:
+        return ""
+    growth = later[-1].heap - later[0].heap
+    return (
+        f"Between samples (steps {later[0].step} to {later[-1].step}): {growth / 1024:+.0f} KiB "
+        f"of Python heap ({growth / max(later[-1].step - later[0].step, 1):+.1f} bytes per step)."
+    )
+
+
+def section(quick: bool) -> tuple[str, dict[str, list[dict[str, int]]]]:
     """The memory section of the report: markdown and raw samples."""
     samples = run(12, d=8, samples=3, window=16) if quick else run(1000, samples=5)
+    # level="step" with no sampled step after its first two: what it keeps between samples.
+    stepped = (
+        run(12, d=8, samples=3, level="step", sample_every=10**9)
+        if quick
+        else run(2000, samples=5, level="step", sample_every=10**9)
+    )
     text = "\n\n".join(
         [
             f"### Memory over {samples[-1].step} steps under rngcheck's defaults",
             table(samples),
             summary(samples),
+            f'### Memory over {stepped[-1].step} steps at level="step", between samples',
+            table(stepped),
+            step_level_summary(stepped),
         ]
     )
-    return text, [dataclasses.asdict(s) for s in samples]
+    return text, {
+        "defaults": [dataclasses.asdict(s) for s in samples],
+        "step_level": [dataclasses.asdict(s) for s in stepped],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

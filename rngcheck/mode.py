@@ -9,8 +9,6 @@ also the one place that knows the active mode.
 
 from __future__ import annotations
 
-import array
-import bisect
 import logging
 import os
 import sys
@@ -48,7 +46,7 @@ from .core.ops import (
     writes_first_argument,
 )
 from .core.policy import current_expectation
-from .core.schedule import StepSchedule
+from .core.schedule import StepEnds, StepSchedule
 from .core.seeding import SeedCallLog
 from .core.stacks import Stack, user_frame
 from .output.report import Report
@@ -185,8 +183,8 @@ class RNGConsistencyMode:
                 )
         self.console = console
         self._report = Report()
-        # Random ops drawn by the end of each optimizer step (8 bytes a step): a finding's step.
-        self._step_ends = array.array("q")
+        # Random ops drawn by the end of each optimizer step: a finding's step.
+        self._step_ends = StepEnds()
         self._in_step_hook = False
         self._sink = FindingSink(
             self._report, on_finding, console, ignore=self.config.ignore, step=self._step_of
@@ -415,7 +413,7 @@ class RNGConsistencyMode:
                 self._switch(*postponed)
             return
         self._since_lead.clear()
-        self._step_ends.append(self._window.total)
+        self._step_ends.end_step(self._window.total)
         self._in_step_hook = True  # what is found here belongs to the step that just ended
         try:
             if self._inferred is not None:
@@ -551,7 +549,7 @@ class RNGConsistencyMode:
         ends = self._step_ends
         if seq < 0:
             return len(ends) + (0 if self._in_step_hook else 1)
-        return bisect.bisect_right(ends, seq) + 1
+        return ends.step_of(seq)
 
     # -- results -------------------------------------------------------------------------------
 

@@ -50,7 +50,10 @@ def test_single_process_and_memory_tables(tmp_path):
     raw = json.loads((tmp_path / "r.json").read_text())
     assert [len(block) for block in raw["single"]["8"]["rngcheck"]["samples"]] == [2, 2]
     # The window (16 events in the quick run) bounds what the checker keeps.
-    assert [s["events_kept"] for s in raw["memory"]][1:] == [16, 16, 16]
+    assert [s["events_kept"] for s in raw["memory"]["defaults"]][1:] == [16, 16, 16]
+    # level="step" keeps only the events of its first two steps (8 dropout draws each).
+    assert 'steps at level="step", between samples' in out
+    assert [s["events_kept"] for s in raw["memory"]["step_level"]][1:] == [16, 16, 16]
 
 
 @pytest.mark.slow

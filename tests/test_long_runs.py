@@ -238,3 +238,29 @@ def test_rngcheck_ignore_and_the_level_variables_are_read_and_validated_for_ever
     ):
         with pytest.raises(EnvError, match=re.escape(says)):
             settings_from_env({"RNGCHECK": "1", name: value})
+
+
+def test_the_step_of_a_random_op_is_kept_in_runs_flat_when_steps_draw_nothing():
+    """StepEnds answers like a per-step array of totals, and steps that record no random op
+    (level="step" between samples) add nothing to it."""
+    import array
+    import bisect
+    import random
+
+    from rngcheck.core.schedule import StepEnds
+
+    rng = random.Random(0)
+    for _ in range(100):
+        ends, plain, total = StepEnds(), array.array("q"), 0
+        for _ in range(rng.randint(0, 60)):
+            total += rng.choice([0, 0, 1, 3])
+            ends.end_step(total)
+            plain.append(total)
+        assert len(ends) == len(plain)
+        for seq in range(total + 3):
+            assert ends.step_of(seq) == bisect.bisect_right(plain, seq) + 1
+    quiet = StepEnds()
+    quiet.end_step(8)
+    for _ in range(100_000):
+        quiet.end_step(8)
+    assert len(quiet) == 100_001 and len(quiet._totals) == 1 and quiet.step_of(3) == 1

@@ -5,9 +5,11 @@ count and on escalations the ranks agreed on (the rank checker all-reduces the r
 
 from __future__ import annotations
 
+import array
+import bisect
 from dataclasses import dataclass, field
 
-__all__ = ["StepSchedule"]
+__all__ = ["StepEnds", "StepSchedule"]
 
 _MAX_RANGES = 64  # op-level step ranges kept for the report (the first and the latest)
 
@@ -92,3 +94,41 @@ class StepSchedule:
             "sample_first": self.sample_first,
             "sample_every": self.sample_every,
         }
+
+
+_MAX_RUNS = 1 << 16  # step-end runs kept; the oldest half goes past it (far outside any window)
+
+
+class StepEnds:
+    """How many random ops were recorded by the end of each optimizer step, to tell the step of
+    a random op (its sequence number). Kept as runs of steps that end at the same total: steps
+    that record no random op (``level="step"`` between samples) cost nothing, so memory stays
+    flat on a long run; past ``_MAX_RUNS`` runs the oldest half is dropped (random ops that old
+    are long out of the event window)."""
+
+    __slots__ = ("_totals", "_firsts", "_steps")
+
+    def __init__(self) -> None:
+        self._totals = array.array("q")  # the distinct totals, increasing
+        self._firsts = array.array("q")  # the 0-based step whose end first had that total
+        self._steps = 0
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def end_step(self, total: int) -> None:
+        """An optimizer step ended with ``total`` random ops recorded so far."""
+        totals = self._totals
+        if not totals or totals[-1] != total:
+            if len(totals) >= _MAX_RUNS:
+                half = _MAX_RUNS // 2
+                del totals[:half]
+                del self._firsts[:half]
+            totals.append(total)
+            self._firsts.append(self._steps)
+        self._steps += 1
+
+    def step_of(self, seq: int) -> int:
+        """The 1-based step that drew random op ``seq`` (the first step whose end passed it)."""
+        j = bisect.bisect_right(self._totals, seq)
+        return (self._firsts[j] if j < len(self._totals) else self._steps) + 1
