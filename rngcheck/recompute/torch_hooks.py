@@ -371,8 +371,7 @@ class TorchCheckpointPatches:
             probe is not None
             and probe.active
             and context_fn is tuc.noop_context_fn
-            and not _debugging(debug)
-            and not _tracing()
+            and not _torch_contexts(debug)
         ):
             # Between sampled steps (level="step"): torch's own forward and recompute contexts
             # mark the two passes, with no generator or function of rngcheck's around torch's
@@ -413,25 +412,20 @@ class TorchCheckpointPatches:
             yield from inner
 
 
-def _debugging(debug: bool) -> bool:
-    """Whether torch runs a call with checkpoint's debug mode (its own context_fn): its global
-    switch, else the call's ``debug``."""
-    enabled = getattr(tuc, "_checkpoint_debug_enabled", None)
-    return debug if enabled is None else bool(enabled)
-
-
 _dispatch_mode = torch._C._get_dispatch_mode
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
-def _tracing() -> bool:
-    """Whether torch traces the call (torch.compile, export): torch's checkpoint then wants
-    context managers that are dispatch modes (torch's own test, and the flag behind
-    ``torch.compiler.is_compiling()``, read directly: this runs for every region)."""
+def _torch_contexts(debug: bool) -> bool:
+    """Whether torch wants a call's contexts its own way: its checkpoint debug mode (its global
+    switch, else the call's ``debug``) brings its own context_fn, and while torch traces the
+    call (torch.compile, export) a context_fn must give dispatch modes (torch's own test, and
+    the flag behind ``torch.compiler.is_compiling()``, read directly: this runs every region)."""
+    enabled = getattr(tuc, "_checkpoint_debug_enabled", None)
     return (
-        _dispatch_mode(_PROXY) is not None
-        or getattr(torch.compiler, "_is_compiling_flag", True)
-        and torch.compiler.is_compiling()
+        (debug if enabled is None else bool(enabled))
+        or _dispatch_mode(_PROXY) is not None
+        or (getattr(torch.compiler, "_is_compiling_flag", True) and torch.compiler.is_compiling())
     )
 
 

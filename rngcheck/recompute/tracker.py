@@ -15,6 +15,7 @@ cause worked out from what the two events and their out-of-band seeding calls sh
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -77,6 +78,12 @@ class RecomputeTracker:
         # What was checked, for the report: regions entered, recomputes run, ops compared.
         self.stats = {"regions": 0, "recomputes": 0, "compared_ops": 0, "unpaired": 0}
         self._numbers = itertools.count(1)
+        # Both passes of a region made between sampled steps, as one context torch enters for
+        # its forward and again for each recompute (``context_fn`` returns it twice); a partial,
+        # so making one costs no call of rngcheck's around the class's own.
+        self.probed_passes: Callable[[Region], _ProbedPasses] = functools.partial(
+            _ProbedPasses, self
+        )
         self._modules = ModuleNames()
         self.probe: StateProbe | None = None  # level="step": generator states, between samples
         # Regions whose forward ended and whose recompute has not begun, by number (held
@@ -169,11 +176,6 @@ class RecomputeTracker:
     def phase(self, region: Region, phase: Phase) -> _PhaseBlock:
         """A ``with`` block for one pass of ``region`` (a small class: it runs twice a region)."""
         return _PhaseBlock(self, region, phase)
-
-    def probed_passes(self, region: Region) -> _ProbedPasses:
-        """Both passes of a region made between sampled steps, as one context torch enters for
-        its forward and again for each recompute (``context_fn`` returns it twice)."""
-        return _ProbedPasses(self, region)
 
     def on_event(self, event: RandomOpEvent) -> None:
         """Record a random op in every active region of this thread; compare recomputes."""
