@@ -65,8 +65,8 @@ log = logging.getLogger(__name__)
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
 _MAX_NOTE_SITES = 64
-# Rebuilt at every read of the report.
 _TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
+# Rebuilt at every read of the report.
 _DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared", "step_level_drift")
 _PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .events import SeedCall
-from .stacks import Stack, is_internal_file
+from .stacks import CodeFlags, Stack, is_internal_file
 
 __all__ = ["SeedCallLog"]
 
@@ -138,11 +138,7 @@ class SeedCallLog:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
-                code = sys._getframe(1).f_code
-                known = _LIBRARY_CODE.get(id(code))  # one lookup when known (twice a region)
-                by_torch = (
-                    known[1] if known is not None and known[0] is code else _library_code(code)
-                ) or target.library
+                by_torch = target.library or _library_code(sys._getframe(1).f_code)
                 if by_torch and self.quiet:
                     return original(*args, **kwargs)  # (what it calls is the library's too)
                 self.counter += 1
@@ -171,18 +167,14 @@ _TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 _LIBRARY_DIRS: tuple[str, ...] = (_TORCH_DIR,)
 
 
-# id(code object) -> (the code object, are its calls the library's): see stacks.is_user_code.
-_LIBRARY_CODE: dict[int, tuple[CodeType, bool]] = {}
-
-
-def _library_code(code: CodeType) -> bool:
-    """Whether a seeding call from ``code`` is the library's own (learned once per code)."""
-    if len(_LIBRARY_CODE) > 4096:
-        _LIBRARY_CODE.clear()
+def _from_library(code: CodeType) -> bool:
     name = code.co_filename
-    library = is_internal_file(name) and name.startswith(_LIBRARY_DIRS)
-    _LIBRARY_CODE[id(code)] = (code, library)
-    return library
+    return is_internal_file(name) and name.startswith(_LIBRARY_DIRS)
+
+
+# Whether a seeding call from a code object is the library's own (learned once per code: a
+# checkpoint's restore makes two such calls a region).
+_library_code = CodeFlags(_from_library, limit=4096)
 
 
 def register_library_dir(path: str) -> None:
@@ -190,4 +182,4 @@ def register_library_dir(path: str) -> None:
     global _LIBRARY_DIRS
     if path not in _LIBRARY_DIRS:
         _LIBRARY_DIRS = (*_LIBRARY_DIRS, path)
-        _LIBRARY_CODE.clear()
+        _library_code.clear()

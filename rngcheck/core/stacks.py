@@ -12,6 +12,7 @@ import linecache
 import os
 import sys
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._traceback import CapturedTraceback
 
-__all__ = ["Frame", "Stack", "is_internal_file", "user_frame", "user_site"]
+__all__ = ["CodeFlags", "Frame", "Stack", "is_internal_file", "user_frame", "user_site"]
 
 
 def _dir_of(module_file: str) -> str:
@@ -96,22 +97,36 @@ class Frame:
         )
 
 
-# id(code object) -> (the code object, is it the user's). Keyed by identity: hashing a code object
-# hashes its constants (nested functions' code too) on every lookup. The entry holds the code
-# object, so its id is not reused while the entry lives.
-_USER_CODE: dict[int, tuple[CodeType, bool]] = {}
+class CodeFlags:
+    """A yes/no learned once per code object (``learn(code)``), then one dict lookup. Keyed by
+    identity: hashing a code object hashes its constants (nested functions' code too) on every
+    lookup. An entry holds its code object, so the id is not reused while the entry lives."""
+
+    __slots__ = ("_learn", "_known", "_limit")
+
+    def __init__(self, learn: Callable[[CodeType], bool], limit: int = 65536) -> None:
+        self._learn = learn
+        self._known: dict[int, tuple[CodeType, bool]] = {}
+        self._limit = limit  # generated code can make many code objects
+
+    def __call__(self, code: CodeType) -> bool:
+        known = self._known.get(id(code))
+        if known is not None and known[0] is code:
+            return known[1]
+        if len(self._known) > self._limit:
+            self._known.clear()
+        flag = self._learn(code)
+        self._known[id(code)] = (code, flag)
+        return flag
+
+    def clear(self) -> None:
+        self._known.clear()
 
 
-def is_user_code(code: CodeType) -> bool:
-    """Whether frames running ``code`` are the user's (one dict lookup once it is known)."""
-    known = _USER_CODE.get(id(code))
-    if known is not None and known[0] is code:
-        return known[1]
-    if len(_USER_CODE) > 65536:  # generated code can make many code objects
-        _USER_CODE.clear()
-    user = not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
-    _USER_CODE[id(code)] = (code, user)
-    return user
+is_user_code = CodeFlags(
+    lambda code: not is_internal_file(code.co_filename) and code.co_name not in _MODE_HOOKS
+)
+"""Whether frames running a code object are the user's (one dict lookup once it is known)."""
 
 
 def user_frame(skip: int = 0) -> tuple[str, int] | None:

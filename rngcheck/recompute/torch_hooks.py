@@ -166,16 +166,14 @@ class _Layout:
     ) -> Any:
         """Call ``original`` with the arguments of a call but ``fn`` and ``context_fn``
         replaced."""
-        position = self.position
-        fn_at, context_at = position.get("fn"), position.get("context_fn")
-        if fn_at == 0 and args and context_at is not None and context_at < len(args):
-            # torch calls the entry positionally up to 2.13: (fn, preserve, context_fn, ...)
+        fast = self.positional
+        if fast is not None and len(args) >= fast[4]:
             replaced = list(args)
-            replaced[0], replaced[context_at] = fn, context_fn
+            replaced[fast[0]], replaced[fast[2]] = fn, context_fn
             return original(*replaced, **kwargs)
         new_args, new_kwargs = list(args), dict(kwargs)
         for name, value in (("fn", fn), ("context_fn", context_fn)):
-            i = position.get(name)
+            i = self.position.get(name)
             if i is not None and i < len(new_args):
                 new_args[i] = value
             else:
@@ -271,7 +269,6 @@ class Tracker(Protocol):
 
     recorded: int
     probe: Any  # level="step": the generator-state probe (``active`` between sampled steps)
-    live: bool
 
     def new_region(
         self,

@@ -126,7 +126,8 @@ class RecomputeTracker:
             waiting.pop(number, None)  # (another thread may have dropped it first)
         return False
 
-    def _wait_for_recompute(self, region: Region) -> None:
+    def _forward_ended(self, region: Region) -> None:
+        """A region's forward ended normally: it waits for its recompute."""
         waiting = self._waiting
         if len(waiting) >= _MAX_WAITING:  # forwards run without backward (evaluation)
             for number, alive in list(waiting.items()):
@@ -135,6 +136,16 @@ class RecomputeTracker:
             if len(waiting) >= _MAX_WAITING:
                 waiting.clear()  # rather forget than grow: a switch is postponed less
         waiting[region.number] = weakref.ref(region)
+
+    def _recompute_begins(self, region: Region, probing: bool) -> None:
+        """A recompute of ``region`` begins, watched by generator states (``probing``) or op
+        by op; one watched the other way than its forward has nothing to be compared with."""
+        self._waiting.pop(region.number, None)
+        stats = self.stats
+        stats["recomputes"] += 1
+        region.unpaired = region.by_probe is not probing
+        if region.unpaired:
+            stats["unpaired"] += 1
 
     def in_recompute(self) -> bool:
         return any(phase is RECOMPUTE for _, phase in self._local.active)
@@ -284,12 +295,7 @@ class _PhaseBlock:
         probe = tracker.probe
         probing = probe is not None and probe.active
         if phase is RECOMPUTE:
-            tracker._waiting.pop(region.number, None)
-            stats = tracker.stats
-            stats["recomputes"] += 1
-            region.unpaired = region.by_probe is not probing
-            if region.unpaired:
-                stats["unpaired"] += 1
+            tracker._recompute_begins(region, probing)
             if not probing:
                 region.recompute = []
         else:
@@ -311,7 +317,7 @@ class _PhaseBlock:
             _remove(active, entry)
         if self._phase is FORWARD:
             if exc_type is None:
-                tracker._wait_for_recompute(region)
+                tracker._forward_ended(region)
         elif exc_type is None and not region.by_probe:
             # Only a recompute that ran to its end must have run every random op of the
             # forward. A non-reentrant early stop leaves by _StopRecomputationError, and is a
@@ -365,9 +371,7 @@ class _ProbedPasses:
             region.by_probe = True
             phase = FORWARD
         else:
-            tracker._waiting.pop(region.number, None)
-            tracker.stats["recomputes"] += 1
-            region.unpaired = False
+            tracker._recompute_begins(region, probing=True)
             phase = RECOMPUTE
         self._open.append((phase, probe.enter(region, phase)))
 
@@ -381,11 +385,7 @@ class _ProbedPasses:
         phase, states = opened
         tracker, region = self._tracker, self._region
         if phase is FORWARD and exc_type is None:
-            waiting = tracker._waiting
-            if len(waiting) < _MAX_WAITING:
-                waiting[region.number] = weakref.ref(region)
-            else:
-                tracker._wait_for_recompute(region)
+            tracker._forward_ended(region)
         if states is not None and tracker.probe is not None:
             tracker.probe.exit(region, phase, states, exc_type is None)
 
