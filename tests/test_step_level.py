@@ -102,7 +102,16 @@ def test_correct_training_is_quiet_bitwise_the_same_and_unintercepted_between_sa
     assert mode.report.ok and not mode.report.notes, mode.report.notes
     level = mode.report.meta["level"]
     assert level["op_level"] == ["1-2", "5", "10"] and level["escalations"] == 0
-    assert level["checkpoint_probe"]["regions"] == 2 * 8 and level["checkpoint_probe"]["compared"]
+    # 8 steps between samples, 2 regions each: watched for the data's generator (known to the
+    # probe: the blocks could draw from it; they do not, so there is nothing to compare), their
+    # dropout left to torch's restore (the CPU default, early stop: no state shows a thing).
+    probe = level["checkpoint_probe"]
+    assert probe == {
+        "regions": 2 * 8,
+        "compared": 0,
+        "mismatches": 0,
+        "restored_and_stopped_early": 2 * 8,
+    }, probe
     # Sampled steps run under the dispatch mode; the others under none at all.
     op_steps = {1, 2, 5, 10}
     for step, stack in enumerate(stacks, 1):
@@ -177,8 +186,11 @@ def test_selective_checkpointing_and_reentrant_checkpoints_stay_quiet():
             (sac.sum() + reentrant.sum()).backward()
             opt.step()
     assert mode.report.ok, [f.message for f in mode.report.findings]
+    # Between samples (6 steps): the reentrant regions' end states are compared; the selective
+    # ones are left to torch's restore (the CPU default, early stop).
     probe = mode.report.meta["level"]["checkpoint_probe"]
-    assert probe["regions"] == 2 * 6 and probe["compared"] >= 6
+    assert probe["regions"] == probe["compared"] == 6, probe
+    assert probe["restored_and_stopped_early"] == 6, probe
 
 
 class Branchy(nn.Module):
@@ -197,12 +209,14 @@ class Branchy(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("how", ["reentrant", "early_stop=False"])
+@pytest.mark.parametrize(
+    "how", ["reentrant", "early_stop=False", "set_checkpoint_early_stop(False)"]
+)
 def test_a_recompute_that_draws_more_from_a_restored_generator_is_found_between_samples(how):
     """torch restores the CPU default generator for the recompute, so between samples only its
-    end states are compared: a recompute run to its end that drew a different amount is a
-    step-level finding with the control-flow cause, then located op by op at the next step. An
-    early-stopping recompute that stops before the extra draw drew nothing differently."""
+    end states are compared: a recompute run to its end (reentrant, or early stop turned off by
+    the call's argument or torch's switch) that drew a different amount is a step-level finding
+    with the control-flow cause, then located op by op at the next step."""
     torch.manual_seed(0)
     block = Branchy()
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
@@ -211,6 +225,8 @@ def test_a_recompute_that_draws_more_from_a_restored_generator_is_found_between_
             x = torch.randn(4, 8, requires_grad=True)
             if how == "reentrant":
                 out = checkpoint(block, x, use_reentrant=True)
+            elif how == "early_stop=False":
+                out = checkpoint(block, x, use_reentrant=False, early_stop=False)
             else:
                 with tuc.set_checkpoint_early_stop(False):
                     out = checkpoint(block, x, use_reentrant=False)
@@ -228,6 +244,9 @@ def test_a_recompute_that_draws_more_from_a_restored_generator_is_found_between_
 
 
 def test_an_early_stopping_recompute_before_the_extra_draw_is_quiet():
+    """torch restores the CPU default for the recompute and stops it once the saved tensors are
+    back, before the extra draw: it drew the forward's numbers. No state could show otherwise,
+    so none is read between samples (the regions are counted as left to torch)."""
     torch.manual_seed(0)
     block = Branchy()
     opt = torch.optim.SGD(block.parameters(), lr=0.01)
@@ -239,7 +258,8 @@ def test_an_early_stopping_recompute_before_the_extra_draw_is_quiet():
             block.extra = False
             opt.step()
     assert mode.report.ok, [f.message for f in mode.report.findings]
-    assert mode.report.meta["level"]["checkpoint_probe"]["compared"] == 6
+    probe = mode.report.meta["level"]["checkpoint_probe"]
+    assert probe["restored_and_stopped_early"] == 6 and probe["regions"] == 0, probe
 
 
 def test_a_plain_function_region_between_samples_is_named_by_its_line():
@@ -368,7 +388,9 @@ def test_checkpoints_torch_runs_its_own_way_between_samples_stay_quiet(how, monk
     assert all(torch.equal(a, b) for a, b in zip(plain, checked, strict=True))
     assert mode.report.ok and not mode.report.notes, [f.message for f in mode.report.findings]
     probe = mode.report.meta["level"]["checkpoint_probe"]
-    assert probe["compared"] == (0 if how == "no_grad" else 4), probe
+    # Every call between samples (4 steps) draws only from the CPU default, which torch restores
+    # and whose recompute it stops early: left to torch, nothing read, however torch runs it.
+    assert probe["restored_and_stopped_early"] == 4 and probe["regions"] == 0, probe
     assert not mode.recompute_tracker.waiting()
 
 
@@ -518,7 +540,10 @@ def test_hugging_face_training_at_the_step_level(family, reentrant):
         hf.train(model, family, steps=6)
     assert mode.report.ok and not mode.report.notes, [f.message for f in mode.report.findings]
     probe = mode.report.meta["level"]["checkpoint_probe"]
-    assert probe["regions"] and probe["compared"]  # the layers' dropout was probed and compared
+    if reentrant:  # the layers' dropout: their end states compared between samples
+        assert probe["regions"] and probe["compared"], probe
+    else:  # the CPU default restored, early stop: left to torch between samples
+        assert probe["restored_and_stopped_early"] and not probe["compared"], probe
     # The same model with preserve_rng_state=False: found at step 1 (op by op) and counted at
     # every later step by the probe, which escalates nothing the op level already named.
     torch.manual_seed(0)

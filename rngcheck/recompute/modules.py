@@ -49,6 +49,13 @@ class ModuleNames:
         self._described[id(module)] = (weakref.ref(module), text)
         return text
 
+    def known(self, function: Any) -> str:
+        """What :meth:`describe` said of ``function``'s module, if it was asked before; else
+        ``""`` (nothing is learned: from backward's frames a module's model is not found)."""
+        module = function if isinstance(function, nn.Module) else _module_of(function)
+        known = self._described.get(id(module)) if module is not None else None
+        return known[1] if known is not None and known[0]() is module else ""
+
     def _learn(self, module: nn.Module) -> None:
         """Name every module of the outermost module on the stack that contains ``module``."""
         frame: Any = sys._getframe(2)

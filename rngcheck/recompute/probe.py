@@ -68,7 +68,10 @@ class StateProbe:
         self._emit = emit
         self._escalate = escalate
         self.active = False
-        self.stats = {"regions": 0, "compared": 0, "mismatches": 0}
+        # regions: watched by their states; compared: their recomputes compared;
+        # restored_and_stopped_early: left to torch's restore, nothing to compare (see
+        # left_to_torch), checked op by op on sampled steps only.
+        self.stats = {"regions": 0, "compared": 0, "mismatches": 0, "restored_and_stopped_early": 0}
         # (region line, generator) pairs already escalated: once the op level has looked at a
         # recurring mismatch, later occurrences are counted on the finding, not checked again.
         self._escalated: set[tuple[str, str]] = set()
@@ -87,9 +90,15 @@ class StateProbe:
                 and region.kind in _RESTORING
                 and self._cpu_default_first(gens)
             ):
-                if len(gens) == 1:
+                if region.early_stop:  # restored, and its recompute's end is never reached
+                    self.stats["restored_and_stopped_early"] += 1
+                    if len(gens) == 1:
+                        return None
+                    gens = gens[1:]
+                elif len(gens) == 1:
                     return gens, _ONLY_RESTORED
-                return gens, (RESTORED, *map(_SNAPSHOT, gens[1:]))
+                else:
+                    return gens, (RESTORED, *map(_SNAPSHOT, gens[1:]))
             return gens, tuple(map(_SNAPSHOT, gens))
         forward = region.probed
         if forward is None or region.failed:
@@ -129,6 +138,16 @@ class StateProbe:
             if drew
             else None
         )
+
+    def left_to_torch(self, devices: tuple[str, ...]) -> bool:
+        """Whether a region on ``devices`` whose generators torch.utils.checkpoint restores and
+        whose recompute it stops early has nothing for generator states to show: the CPU
+        default is the one generator it can draw from (counted when so)."""
+        gens = self._generators(devices)
+        if len(gens) == 1 and self._cpu_default_first(gens):
+            self.stats["restored_and_stopped_early"] += 1
+            return True
+        return False
 
     def _cpu_default_first(self, gens: tuple[Any, ...]) -> bool:
         known, first = self._cpu_first

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..core.events import RandomOpEvent
 from ..core.findings import Finding, FindingKind, Side
 
-__all__ = ["Region", "mismatch_finding"]
+__all__ = ["Region", "devices_of", "mismatch_finding"]
 
 
 @dataclass(eq=False, slots=True, kw_only=True)
@@ -24,6 +26,9 @@ class _RegionFields:
     module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     devices: tuple[str, ...] = ()  # device types of the tensor arguments (what torch stashes)
+    # torch stops the recompute once the saved tensors are back (torch.utils.checkpoint's
+    # non-reentrant early stop, by the call's argument or torch's global switch)
+    early_stop: bool = False
     forward: list[RandomOpEvent] = field(default_factory=list)
     recompute: list[RandomOpEvent] = field(default_factory=list)
     failed: bool = False  # a mismatch was reported: do not report this region again
@@ -92,3 +97,17 @@ def mismatch_finding(
         seq=shown.seq,
         context=tuple(region.forward[max(0, k - 4) : k + 2]),
     )
+
+
+def devices_of(args: tuple) -> tuple[str, ...]:
+    """The device types of the tensors among ``args``, sorted (``is_cpu`` is a tenth of the
+    cost of ``device.type``)."""
+    found: tuple[str, ...] = ()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            kind = "cpu" if a.is_cpu else a.device.type
+            if not found:
+                found = (kind,)
+            elif kind not in found:
+                found = tuple(sorted((*found, kind)))
+    return found

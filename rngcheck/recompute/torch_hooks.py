@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.ops import OpKind, classify
-from .region import Region
+from .region import Region, devices_of
 
 __all__ = [
     "HOOKS",
@@ -100,8 +100,8 @@ class _Layout:
     defaults: dict[str, Any]
     varargs_at: int | None  # where ``*args`` (the region's inputs) starts, when the entry has one
     # Up to 2.13 torch passes every parameter before the inputs by position: where fn,
-    # preserve_rng_state, context_fn and debug are then, and where the inputs start.
-    positional: tuple[int, int, int, int, int] | None = None
+    # preserve_rng_state, context_fn, debug and early_stop are then, and where the inputs start.
+    positional: tuple[int, int, int, int, int, int] | None = None
 
     @classmethod
     def of(cls, original: Callable[..., Any]) -> _Layout:
@@ -130,34 +130,39 @@ class _Layout:
                     f"{original!r} has no {needed!r} parameter: torch's checkpoint entry changed "
                     f"its signature to {inspect.signature(original)}"
                 )
-        names = ("fn", "preserve_rng_state", "context_fn", "debug")
+        names = ("fn", "preserve_rng_state", "context_fn", "debug", "early_stop")
         positional = None
         if varargs_at is not None and all(n in position for n in names):
-            fn_at, preserve_at, context_at, debug_at = (position[n] for n in names)
-            positional = (fn_at, preserve_at, context_at, debug_at, varargs_at)
+            fn_at, preserve_at, context_at, debug_at, stop_at = (position[n] for n in names)
+            positional = (fn_at, preserve_at, context_at, debug_at, stop_at, varargs_at)
         return cls(position, defaults, varargs_at, positional)
 
-    def read(self, args: tuple, kwargs: dict) -> tuple[Callable[..., Any], bool, Any, bool, tuple]:
-        """(fn, preserve_rng_state, context_fn, debug, the region's input arguments) of one
-        call (``debug``: the call's argument; torch's global switch overrides it)."""
+    def read(
+        self, args: tuple, kwargs: dict
+    ) -> tuple[Callable[..., Any], bool, Any, bool, bool, tuple]:
+        """(fn, preserve_rng_state, context_fn, debug, early_stop, the region's input arguments)
+        of one call (``debug`` and ``early_stop``: the call's arguments; torch's global switches
+        override them; an entry without ``early_stop`` runs every recompute to its end)."""
         fast = self.positional
-        if fast is not None and len(args) >= fast[4]:
-            fn_at, preserve_at, context_at, debug_at, inputs_at = fast
+        if fast is not None and len(args) >= fast[5]:
+            fn_at, preserve_at, context_at, debug_at, stop_at, inputs_at = fast
             context_fn = args[context_at]
             return (
                 args[fn_at],
                 bool(args[preserve_at]),
                 context_fn if context_fn is not None else tuc.noop_context_fn,
                 bool(args[debug_at]),
+                bool(args[stop_at]),
                 args[inputs_at:],
             )
-        get = self.get
+        get, defaults = self.get, self.defaults
         context_fn = get("context_fn", args, kwargs)
         return (
             get("fn", args, kwargs),
             bool(get("preserve_rng_state", args, kwargs)),
             context_fn if context_fn is not None else tuc.noop_context_fn,
-            "debug" in self.defaults and bool(get("debug", args, kwargs)),
+            "debug" in defaults and bool(get("debug", args, kwargs)),
+            "early_stop" in defaults and bool(get("early_stop", args, kwargs)),
             self.inputs(args, kwargs),
         )
 
@@ -167,7 +172,7 @@ class _Layout:
         """Call ``original`` with the arguments of a call but ``fn`` and ``context_fn``
         replaced."""
         fast = self.positional
-        if fast is not None and len(args) >= fast[4]:
+        if fast is not None and len(args) >= fast[5]:
             replaced = list(args)
             replaced[fast[0]], replaced[fast[2]] = fn, context_fn
             return original(*replaced, **kwargs)
@@ -278,11 +283,15 @@ class Tracker(Protocol):
         args: tuple = (),
         name: str = "",
         function: Any = None,
+        devices: tuple[str, ...] | None = None,
+        early_stop: bool = False,
     ) -> Region: ...
 
     def phase(self, region: Region, phase: Phase) -> Any: ...
 
     def probed_passes(self, region: Region) -> Callable[[], tuple[Any, Any]]: ...
+
+    def restored_passes(self, function: Any) -> Callable[[], tuple[Any, Any]]: ...
 
     def record_cached(self, func: Any, args: tuple, kwargs: dict) -> None: ...
 
@@ -359,11 +368,12 @@ class TorchCheckpointPatches:
         self, original: Callable[..., Any], layout: _Layout, args: tuple, kwargs: dict
     ) -> Iterator[None]:
         tracker = self._tracker
-        fn, preserve, context_fn, debug, inputs = layout.read(args, kwargs)
-        region = tracker.new_region(
-            kind="non-reentrant", preserve_rng_state=preserve, args=inputs, function=fn
-        )
+        fn, preserve, context_fn, debug, early_stop, inputs = layout.read(args, kwargs)
+        switch = getattr(tuc, "_enable_checkpoint_early_stop", None)  # torch's, read as it does
+        early_stop = early_stop if switch is None else bool(switch)
+        devices = devices_of(inputs)
         probe = tracker.probe
+        probed = None
         if (
             probe is not None
             and probe.active
@@ -374,7 +384,21 @@ class TorchCheckpointPatches:
             # mark the two passes, with no generator or function of rngcheck's around torch's
             # (a third of a region's cost there). torch enters neither under no_grad, where
             # nothing is recomputed.
-            return layout.call(original, args, kwargs, fn, tracker.probed_passes(region))
+            if preserve and early_stop and probe.left_to_torch(devices):
+                # torch restores its one generator and stops its recompute early: no state
+                # would show a thing, so none is read and no region is made (the passes are
+                # still marked, for level switches).
+                return layout.call(original, args, kwargs, fn, tracker.restored_passes(fn))
+            probed = tracker.probed_passes
+        region = tracker.new_region(
+            kind="non-reentrant",
+            preserve_rng_state=preserve,
+            function=fn,
+            devices=devices,
+            early_stop=early_stop,
+        )
+        if probed is not None:
+            return layout.call(original, args, kwargs, fn, probed(region))
         return self._around(original, layout, args, kwargs, region, fn, context_fn)
 
     def _around(

@@ -22,15 +22,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import torch
-
 from ..core.events import FORWARD, RECOMPUTE, Phase, RandomOpEvent
 from ..core.findings import Finding
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
 from .modules import ModuleNames
 from .probe import StateProbe
-from .region import Region, mismatch_finding
+from .region import Region, devices_of, mismatch_finding
 from .torch_hooks import TorchCheckpointPatches
 
 __all__ = ["RecomputeTracker"]
@@ -89,7 +87,7 @@ class RecomputeTracker:
         # Regions whose forward ended and whose recompute has not begun, by number (held
         # weakly: a graph freed without backward takes its regions with it; the dead ones are
         # dropped when asked, which costs less than a WeakSet's callbacks twice a region).
-        self._waiting: dict[int, weakref.ReferenceType[Region]] = {}
+        self._waiting: dict[int, weakref.ReferenceType[Region | _RestoredPasses]] = {}
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -126,7 +124,7 @@ class RecomputeTracker:
             waiting.pop(number, None)  # (another thread may have dropped it first)
         return False
 
-    def _forward_ended(self, region: Region) -> None:
+    def _forward_ended(self, region: Region | _RestoredPasses) -> None:
         """A region's forward ended normally: it waits for its recompute."""
         waiting = self._waiting
         if len(waiting) >= _MAX_WAITING:  # forwards run without backward (evaluation)
@@ -166,7 +164,10 @@ class RecomputeTracker:
         args: tuple = (),
         name: str = "",
         function: Any = None,
+        devices: tuple[str, ...] | None = None,
+        early_stop: bool = False,
     ) -> Region:
+        """A region entered now (``devices``: those of ``args`` when not given)."""
         self.stats["regions"] += 1
         module = self._modules.describe(function) if function is not None else ""
         probe = self.probe
@@ -181,8 +182,15 @@ class RecomputeTracker:
             site=site,
             module=module,
             preserve_rng_state=preserve_rng_state,
-            devices=_devices(args),
+            devices=devices_of(args) if devices is None else devices,
+            early_stop=early_stop,
         )
+
+    def restored_passes(self, function: Any) -> _RestoredPasses:
+        """Both passes of a torch.utils.checkpoint call between sampled steps that generator
+        states cannot check (see :class:`_RestoredPasses`): no region is made for it."""
+        self.stats["regions"] += 1
+        return _RestoredPasses(self, function, next(self._numbers))
 
     def phase(self, region: Region, phase: Phase) -> _PhaseBlock:
         """A ``with`` block for one pass of ``region`` (a small class: it runs twice a region)."""
@@ -390,18 +398,69 @@ class _ProbedPasses:
             tracker.probe.exit(region, phase, states, exc_type is None)
 
 
-def _devices(args: tuple) -> tuple[str, ...]:
-    """The device types of the tensors among ``args``, sorted (``is_cpu`` is a tenth of the
-    cost of ``device.type``)."""
-    found: tuple[str, ...] = ()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            kind = "cpu" if a.is_cpu else a.device.type
-            if not found:
-                found = (kind,)
-            elif kind not in found:
-                found = tuple(sorted((*found, kind)))
-    return found
+class _RestoredPasses:
+    """Both passes of a torch.utils.checkpoint call between sampled steps (level="step") that
+    generator states cannot check: the one generator it can draw from is the CPU default, which
+    torch stashes and restores for the recompute, and torch stops the recompute once the saved
+    tensors are back (early stop). Both passes start in the same state by torch's own restore,
+    and the recompute's end, where a different amount of draws would show, is never reached (a
+    recompute that does reach it saved fewer tensors, which torch raises as an error itself).
+    Only op-by-op checking can tell such a recompute's draws apart: sampled steps do.
+
+    So nothing is read and no :class:`Region` is made. The forward waits for its recompute (a
+    level switch waits for it too), and a recompute that runs while ops are checked one by one
+    (the level changed at an optimizer step in between: a GAN's) is given a region there,
+    unpaired, so its random ops are not taken for a region rngcheck did not see begin."""
+
+    __slots__ = ("_tracker", "_function", "number", "_forward_ran", "_open", "__weakref__")
+
+    def __init__(self, tracker: RecomputeTracker, function: Any, number: int) -> None:
+        self._tracker = tracker
+        self._function = function
+        self.number = number
+        self._forward_ran = False
+        # The passes open now, innermost last: FORWARD, RECOMPUTE (not watched), or the
+        # _PhaseBlock of a recompute checked op by op.
+        self._open: list[Phase | _PhaseBlock] = []
+
+    def __call__(self) -> tuple[_RestoredPasses, _RestoredPasses]:
+        return self, self  # torch's context_fn: (the forward's context, the recompute's)
+
+    def __enter__(self) -> None:
+        if not self._forward_ran:
+            self._forward_ran = True
+            self._open.append(FORWARD)
+            return
+        tracker = self._tracker
+        probe = tracker.probe
+        if not tracker.live or (probe is not None and probe.active):
+            tracker._waiting.pop(self.number, None)
+            tracker.stats["recomputes"] += 1
+            self._open.append(RECOMPUTE)
+            return
+        # Ops are checked one by one now: the forward was not, so nothing is compared; the
+        # region is named by its layer only if known already (naming it from backward's frames
+        # would lose the layer's qualified name for good).
+        region = Region(
+            number=self.number,
+            kind="non-reentrant",
+            site="",
+            module=tracker._modules.known(self._function),
+            early_stop=True,
+            by_probe=True,
+        )
+        block = _PhaseBlock(tracker, region, RECOMPUTE)
+        self._open.append(block)
+        block.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self._open:
+            return
+        opened = self._open.pop()
+        if isinstance(opened, _PhaseBlock):
+            opened.__exit__(exc_type, exc, tb)
+        elif opened is FORWARD and exc_type is None and self._tracker.live:
+            self._tracker._forward_ended(self)
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
