@@ -575,6 +575,8 @@ class RNGConsistencyMode:
             r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
         if self.recompute_tracker is not None:
             r.meta["recompute"] = dict(self.recompute_tracker.stats)
+        if self._ranks is not None:
+            self._ranks.publish()
         if self._inferred is not None and self._inferred.stats["regions"]:
             r.meta["inferred_recompute"] = dict(self._inferred.stats)
         if self._compiled is not None and self._compiled.stats["forward_draws"]:

@@ -434,12 +434,19 @@ REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentr
 @pytest.mark.parametrize("bug", [False, True], ids=["correct", "user-generator"])
 def test_a_gan_steps_two_optimizers_per_iteration_and_splits_forward_from_recompute(reentrant, bug):
     """One training step per iteration (the lead optimizer's), and a level switch due at the
-    discriminator's step waits for the generator's recompute: every recompute is compared the
-    way its forward was watched, and the bug is located at an op-level step."""
+    discriminator's step waits for a watched generator's recompute: every recompute is compared
+    the way its forward was watched, and the bug is located at an op-level step. A non-reentrant
+    region left to torch (its dropout alone, restored, early stop) has nothing to compare at
+    either level: no switch to the op level waits for it, and a recompute after the switch is
+    unpaired, quietly."""
     report = _gan(reentrant, bug, critic_steps=1, sample_first=1, sample_every=3)
     counts, level = report.meta["recompute"], report.meta["level"]
-    assert counts["unpaired"] == 0 and counts["recomputes"] == 9, counts
-    assert level["steps"] == 9 and level["postponed_switches"] > 0, level
+    assert counts["recomputes"] == 9 and level["steps"] == 9, (counts, level)
+    if reentrant or bug:
+        assert counts["unpaired"] == 0 and level["postponed_switches"] > 0, (counts, level)
+    else:
+        assert counts["unpaired"] > 0 and report.ok, (counts, [f.message for f in report.findings])
+        assert not report.notes, [n.message for n in report.notes]  # no region taken as unseen
     if not bug:
         assert report.ok, [f.message for f in report.findings]
         return

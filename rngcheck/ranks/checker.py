@@ -165,7 +165,7 @@ class RankChecker:
         if self._cfg.level == "step":
             self._digests = StepDigests(self._side)
         handle.identify(rank, world)
-        self._publish()
+        self.publish()
 
     # -- inputs from the mode ----------------------------------------------------------------
 
@@ -229,7 +229,7 @@ class RankChecker:
         self._pending.clear()
         self._rows.clear()
         self._side.close()
-        self._publish()
+        self.publish()
 
     def renders(self, finding: Finding) -> bool:
         """One merged rendering: the lowest rank that is involved (or that waited) draws it."""
@@ -298,8 +298,7 @@ class RankChecker:
                 )
                 finding = self._missing(sent, Point.OPTIMIZER_STEP, sent.where, e.__cause__ or e)
             finally:
-                self._busy = False
-                self._publish()
+                self._busy = False  # (the counters reach the report when it is read: publish)
         if finding is not None:
             self._handle.emit(finding)
         return verdict
@@ -438,7 +437,7 @@ class RankChecker:
                     finding = self._exchange_now(point, where)
             finally:
                 self._busy = False
-                self._publish()
+                self.publish()
         if finding is not None:
             self._handle.emit(finding)
 
@@ -635,5 +634,7 @@ class RankChecker:
             error=error,
         )
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """The exchange counters into the report's metadata (at every op-level exchange; for the
+        step level's, when the report is read)."""
         self._handle.meta["rank_exchange"] = self.stats.to_dict()

@@ -387,7 +387,7 @@ class TorchCheckpointPatches:
             if preserve and early_stop and probe.left_to_torch(devices):
                 # torch restores its one generator and stops its recompute early: no state
                 # would show a thing, so none is read and no region is made (the passes are
-                # still marked, for level switches).
+                # still marked: a recompute run op by op is given its region).
                 return layout.call(original, args, kwargs, fn, tracker.restored_passes(fn))
             probed = tracker.probed_passes
         region = tracker.new_region(
