@@ -16,7 +16,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,20 @@ class _Init:
     parameter: weakref.ref[Any]  # dead once replaced (tied weights, or sharded into new storage)
 
 
+class _Unchecked(NamedTuple):
+    """Random ops a rank drew from a generator without comparing them, since its last checked
+    op: their count, the last of them, and why. Made into an :class:`Uncompared` (with the last
+    op's line) only when a divergence is localised: finding a line summarises the op's stack, a
+    cost every uncompared op (each one of a data-parallel forward) would pay otherwise."""
+
+    ops: int
+    event: RandomOpEvent
+    why: str
+
+    def public(self) -> Uncompared:
+        return Uncompared(self.ops, self.event.op, self.event.site, self.why)
+
+
 @dataclass(slots=True)
 class _Round:
     """One exchange round: the fast vector sent, and the window it covers (kept until the round
@@ -82,7 +96,7 @@ class _Round:
     rows: list[Row]
     events: list[RandomOpEvent]
     first_use: set[int]
-    uncompared: dict[int, Uncompared]
+    uncompared: dict[int, _Unchecked]
     vec: torch.Tensor
     parts: dict[int, list[Row]]
     stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
@@ -138,8 +152,8 @@ class RankChecker:
         self._lock = threading.RLock()  # random ops in backward may arrive on autograd threads
         self._seen_generators: set[str] = set()
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
-        self._uncompared: dict[str, Uncompared] = {}  # generator -> its uncompared ops since
-        self._uncompared_before: dict[int, Uncompared] = {}  # pending index -> those ops
+        self._uncompared: dict[str, _Unchecked] = {}  # generator -> its uncompared ops since
+        self._uncompared_before: dict[int, _Unchecked] = {}  # pending index -> those ops
         # Data parallelism, the rules of docs/data-parallel.md (cited as Rule N):
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
@@ -180,7 +194,7 @@ class RankChecker:
             with self._lock:
                 key = gen_key(event)
                 count = self._uncompared[key].ops if key in self._uncompared else 0
-                self._uncompared[key] = Uncompared(count + 1, event.op, event.site, why)
+                self._uncompared[key] = _Unchecked(count + 1, event, why)
             return
         with self._lock:
             self._add(event, mesh, written)
@@ -566,7 +580,9 @@ class RankChecker:
                 seed_calls=self._seed_calls(event)
                 if event is not None and (init or index in sent.first_use)
                 else (),
-                uncompared=None if init else sent.uncompared.get(index),
+                uncompared=None
+                if init or index not in sent.uncompared
+                else (sent.uncompared[index].public()),
                 wrappers=tuple(w.label for w in self._dp.wrappers),
             )
             details = {
