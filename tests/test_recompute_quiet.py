@@ -194,6 +194,39 @@ def test_early_stop_recompute_is_a_prefix(early_stop):
         assert recomputed == ["aten.bernoulli_.float", "aten.rand.default"]
 
 
+@pytest.mark.parametrize("early_stop", [True, False])
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "user-generator"])
+def test_a_derivative_inside_the_region_recomputes_it_inside_its_forward(early_stop, bug):
+    """``torch.autograd.grad`` inside a checkpointed function (a physics-informed loss, a
+    gradient penalty) makes torch recompute the region inside its own forward, from the
+    forward's start state: those replayed draws are that recompute's, not more of the
+    forward's, so the real recompute in backward agrees op for op. (They were taken as the
+    forward's second op: a false recompute_mismatch on correct training.) A generator torch does
+    not restore is still found."""
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    noise = torch.Generator().manual_seed(3)
+
+    def block(x):
+        h = F.dropout(a(x), 0.3)
+        (g,) = torch.autograd.grad(h.sum(), x, create_graph=True)
+        h = b(h + g)
+        if bug:
+            return h * (torch.rand(h.shape, generator=noise) > 0.3)  # <- not restored
+        return F.dropout(h, 0.3)
+
+    def step():
+        with tuc.set_checkpoint_early_stop(early_stop):
+            y = checkpoint(block, _input(), use_reentrant=False)
+        y.sum().backward()
+
+    report = run(step)
+    if not bug:
+        _assert_quiet(report)
+        return
+    (found,) = report.findings
+    assert found.op == "aten.rand.generator" and "passed as generator=" in found.cause, found.cause
+
+
 def test_reentrant_region_with_non_tensor_arguments():
     lin = nn.Linear(16, 16)
 

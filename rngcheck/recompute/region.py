@@ -40,6 +40,9 @@ class _RegionFields:
     # between them: a second optimizer, a GAN's discriminator) has nothing to be compared with.
     by_probe: bool = False
     unpaired: bool = False
+    # A recompute runs inside the region's own forward (torch.autograd.grad in the checkpointed
+    # function): it may run ahead of the forward, whose length is not known yet.
+    replaying: bool = False
 
     @property
     def title(self) -> str:

@@ -196,8 +196,17 @@ class RecomputeTracker:
         return _PhaseBlock(self, region, phase)
 
     def on_event(self, event: RandomOpEvent) -> None:
-        """Record a random op in every active region of this thread; compare recomputes."""
-        for region, phase in list(self._local.active):
+        """Record a random op in every active region of this thread, in the innermost pass of
+        each (a recompute that torch runs inside the region's own forward, for
+        ``torch.autograd.grad`` in the checkpointed function, replays the forward's first ops:
+        they are the recompute's, not more of the forward's); compare recomputes."""
+        active = list(self._local.active)
+        if len(active) > 1:
+            innermost: dict[int, tuple[Region, Phase]] = {}
+            for entry in active:
+                innermost[id(entry[0])] = entry
+            active = [entry for entry in active if innermost[id(entry[0])] is entry]
+        for region, phase in active:
             if phase is FORWARD:
                 if len(region.forward) < _MAX_REGION_OPS:
                     region.forward.append(event)
@@ -220,8 +229,8 @@ class RecomputeTracker:
             return
         self.stats["compared_ops"] += 1
         if k >= len(region.forward):
-            if region.truncated:
-                return
+            if region.truncated or region.replaying:
+                return  # (a replay inside the forward runs ahead of it)
             self._mismatch(
                 region,
                 k,
@@ -305,6 +314,9 @@ class _PhaseBlock:
             tracker._recompute_begins(region, probing)
             if not probing:
                 region.recompute = []
+                # torch recomputes a region inside its own forward (torch.autograd.grad in the
+                # checkpointed function): compared with what the forward ran so far only.
+                region.replaying = (region, FORWARD) in tracker._local.active
         else:
             region.by_probe = probing  # (a region's forward runs once: its list is new)
         self._entry = entry = (region, phase)
@@ -325,6 +337,8 @@ class _PhaseBlock:
         if self._phase is FORWARD:
             if exc_type is None:
                 tracker._forward_ended(region)
+        elif region.replaying:
+            region.replaying = False  # the forward goes on: its length is not known yet
         elif exc_type is None and not region.by_probe:
             # Only a recompute that ran to its end must have run every random op of the
             # forward. A non-reentrant early stop leaves by _StopRecomputationError, and is a
