@@ -68,9 +68,10 @@ class StateProbe:
         self._emit = emit
         self._escalate = escalate
         self.active = False
-        # regions: watched by their states; compared: their recomputes compared;
-        # restored_and_stopped_early: left to torch's restore, nothing to compare (see
-        # left_to_torch), checked op by op on sampled steps only.
+        # regions: calls watched by their generators' states; compared: their recomputes
+        # compared; restored_and_stopped_early: calls whose CPU default generator is left to
+        # torch's restore with early stop (see left_to_torch; some of them watched for other
+        # generators too), whose draws from it sampled steps check op by op.
         self.stats = {"regions": 0, "compared": 0, "mismatches": 0, "restored_and_stopped_early": 0}
         # (region line, generator) pairs already escalated: once the op level has looked at a
         # recurring mismatch, later occurrences are counted on the finding, not checked again.

@@ -92,7 +92,7 @@ class RecomputeTracker:
         # Regions whose forward ended and whose recompute has not begun, by number (held
         # weakly: a graph freed without backward takes its regions with it; the dead ones are
         # dropped when asked, which costs less than a WeakSet's callbacks twice a region).
-        self._waiting: dict[int, weakref.ReferenceType[Region]] = {}
+        self._waiting: dict[int, weakref.ReferenceType[Region | _RestoredPasses]] = {}
 
     @classmethod
     def installed(cls) -> RecomputeTracker | None:
@@ -129,7 +129,7 @@ class RecomputeTracker:
             waiting.pop(number, None)  # (another thread may have dropped it first)
         return False
 
-    def _forward_ended(self, region: Region) -> None:
+    def _forward_ended(self, region: Region | _RestoredPasses) -> None:
         """A region's forward ended normally: it waits for its recompute."""
         waiting = self._waiting
         if len(waiting) >= _MAX_WAITING:  # forwards run without backward (evaluation)
@@ -420,20 +420,24 @@ class _RestoredPasses:
     recompute that does reach it saved fewer tensors, which torch raises as an error itself).
     Only op-by-op checking can tell such a recompute's draws apart: sampled steps do.
 
-    So nothing is read and no :class:`Region` is made, and its forward does not hold back a level
-    switch (its recompute has nothing to be compared with at either level). A recompute that runs
-    while ops are checked one by one (the level changed at an optimizer step in between: a GAN's)
-    is given a region there, unpaired, so its random ops are not taken for a region rngcheck did
-    not see begin."""
+    So nothing is read and no :class:`Region` is made. The forward still waits for its
+    recompute, so that a switch to op-by-op checking waits for it too and a sampled step holds
+    whole forwards and their recomputes (a GAN's generator, whose backward comes after its
+    critic's steps, is checked op by op at all only so). A recompute that runs while ops are
+    checked one by one all the same (the switch could wait no longer) is given a region there,
+    unpaired, so its random ops are not taken for a region rngcheck did not see begin."""
 
-    __slots__ = ("_tracker", "_function", "_forward_ran", "_block")
+    __slots__ = ("_tracker", "_function", "number", "_forward_ran", "_open", "__weakref__")
 
     def __init__(self, tracker: RecomputeTracker, function: Any) -> None:
         tracker.stats["regions"] += 1
         self._tracker = tracker
         self._function = function
+        self.number = next(tracker._numbers)  # (checkpoint #N counts the calls)
         self._forward_ran = False
-        self._block: _PhaseBlock | None = None  # a recompute checked op by op, while it runs
+        # The passes open now, innermost last: FORWARD, RECOMPUTE (not watched), or the
+        # _PhaseBlock of a recompute checked op by op.
+        self._open: list[Phase | _PhaseBlock] = []
 
     def __call__(self) -> tuple[_RestoredPasses, _RestoredPasses]:
         return self, self  # torch's context_fn: (the forward's context, the recompute's)
@@ -441,33 +445,38 @@ class _RestoredPasses:
     def __enter__(self) -> None:
         if not self._forward_ran:  # the forward (a recompute may run inside it: autograd.grad)
             self._forward_ran = True
+            self._open.append(FORWARD)
             return
         tracker = self._tracker
-        if not tracker.live:
-            return
+        tracker._waiting.pop(self.number, None)
         probe = tracker.probe
-        if probe is not None and probe.active:
+        if not tracker.live or (probe is not None and probe.active):
             tracker.stats["recomputes"] += 1
+            self._open.append(RECOMPUTE)
             return
         # Ops are checked one by one now: the forward was not, so nothing is compared; the
         # region is named by its layer only if known already (naming it from backward's frames
         # would lose the layer's qualified name for good).
         region = Region(
-            number=next(tracker._numbers),
+            number=self.number,
             kind="non-reentrant",
             site="",
             module=tracker._modules.known(self._function),
             early_stop=True,
             by_probe=True,
         )
-        self._block = block = _PhaseBlock(tracker, region, RECOMPUTE)
+        block = _PhaseBlock(tracker, region, RECOMPUTE)
+        self._open.append(block)
         block.__enter__()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        block = self._block
-        if block is not None:
-            self._block = None
-            block.__exit__(exc_type, exc, tb)
+        if not self._open:
+            return
+        opened = self._open.pop()
+        if isinstance(opened, _PhaseBlock):
+            opened.__exit__(exc_type, exc, tb)
+        elif opened is FORWARD and exc_type is None and self._tracker.live:
+            self._tracker._forward_ended(self)
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
