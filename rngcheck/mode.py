@@ -267,9 +267,7 @@ class RNGConsistencyMode:
                 self._compiled = CompiledRecomputes(self._sink.emit)
                 if self._schedule is not None:
                     self._probe = StateProbe(
-                        self._probe_generators,
-                        self._sink.emit,
-                        self._request_escalation,
+                        self._probe_generators, self._sink.emit, self._request_escalation
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()

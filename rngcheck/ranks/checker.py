@@ -574,15 +574,14 @@ class RankChecker:
             at = spot.index_for(self.rank, view[self.rank])
             index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
             event = events[index] if index >= 0 else None
+            unchecked = sent.uncompared.get(index)
             mine = Detail(
                 event=event,
                 point=where,
                 seed_calls=self._seed_calls(event)
                 if event is not None and (init or index in sent.first_use)
                 else (),
-                uncompared=None
-                if init or index not in sent.uncompared
-                else (sent.uncompared[index].public()),
+                uncompared=None if init or unchecked is None else unchecked.public(),
                 wrappers=tuple(w.label for w in self._dp.wrappers),
             )
             details = {

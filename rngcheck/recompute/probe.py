@@ -8,10 +8,12 @@ names the op, its line and the likely cause.
 A generator torch's checkpoint restores itself (the CPU default, under ``preserve_rng_state=True``
 of ``torch.utils.checkpoint``, reentrant or not) starts the recompute in the state torch stashed as
 the forward started: its two start states are equal by torch's own restore and are not read, only
-its end states (a recompute run to its end must leave it where the forward did). Every other
+its end states (a recompute run to its end must leave it where the forward did); under early
+stop the recompute never reaches its end, so such a generator is not read at all (see
+``left_to_torch``: nothing could show there, sampled steps check it op by op). Every other
 generator (user generators, a device's, anything under ``preserve_rng_state=False`` or a custom
-checkpoint) is read at all four points. Between samples that is one read per checkpointed call
-in a CPU program instead of three.
+checkpoint) is read at all four points. Between samples that is no read per checkpointed call
+in a CPU program with early stop, and one without it, instead of three.
 """
 
 from __future__ import annotations

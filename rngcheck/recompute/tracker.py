@@ -349,29 +349,57 @@ class _PhaseBlock:
             tracker.probe.exit(region, self._phase, self._states, exc_type is None)
 
 
-class _ProbedPasses:
-    """Both passes of a region made between sampled steps (level="step"): torch's checkpoint
-    enters it as its forward's context, then as each recompute's; the first entry is the
-    forward (a recompute may also run inside it: ``torch.autograd.grad`` in the checkpointed
-    function). Its generators are probed and nothing else is recorded: no op is intercepted
-    between samples, so a pass is not pushed on the thread's active regions either (their
-    readers all run on intercepted ops; the level changes only at an optimizer step, never
-    inside a pass). A pass that starts while ops are checked one by one (the level changed at
-    an optimizer step in between: a GAN's) is a :class:`_PhaseBlock`, which leaves such a
-    recompute unpaired."""
+class _Passes:
+    """Both passes of one checkpointed call made between sampled steps (level="step"), as the
+    context torch's checkpoint enters for its forward and again for each recompute
+    (``context_fn`` returns it twice); the first entry is the forward (a recompute may also run
+    inside it: ``torch.autograd.grad`` in the checkpointed function). A pass that runs while
+    ops are checked one by one is a :class:`_PhaseBlock`; a subclass says what its other passes
+    do (``__enter__``, ``_ended``)."""
 
-    __slots__ = ("_tracker", "_region", "_forward_ran", "_open")
+    __slots__ = ("_tracker", "_forward_ran", "_open")
+
+    def __init__(self, tracker: RecomputeTracker) -> None:
+        self._tracker = tracker
+        self._forward_ran = False
+        # The passes open now, innermost last: a subclass's record of one, or the _PhaseBlock
+        # that runs it.
+        self._open: list[Any] = []
+
+    def __call__(self) -> tuple[_Passes, _Passes]:
+        return self, self  # torch's context_fn: (the forward's context, the recompute's)
+
+    def _block(self, region: Region, phase: Phase) -> None:
+        block = _PhaseBlock(self._tracker, region, phase)
+        self._open.append(block)
+        block.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self._open:
+            return
+        opened = self._open.pop()
+        if isinstance(opened, _PhaseBlock):
+            opened.__exit__(exc_type, exc, tb)
+        else:
+            self._ended(opened, exc_type is None)
+
+    def _ended(self, opened: Any, completed: bool) -> None:
+        raise NotImplementedError
+
+
+class _ProbedPasses(_Passes):
+    """Both passes of a region between sampled steps: its generators are probed and nothing else
+    is recorded. No op is intercepted between samples, so a pass is not pushed on the thread's
+    active regions either (their readers all run on intercepted ops; the level changes only at
+    an optimizer step, never inside a pass). A pass that starts while ops are checked one by one
+    (the level changed at an optimizer step in between: a GAN's) runs as a :class:`_PhaseBlock`,
+    which leaves such a recompute unpaired."""
+
+    __slots__ = ("_region",)
 
     def __init__(self, tracker: RecomputeTracker, region: Region) -> None:
-        self._tracker = tracker
+        super().__init__(tracker)
         self._region = region
-        self._forward_ran = False
-        # The passes open now, innermost last: (phase, start states) when probed, else the
-        # _PhaseBlock that runs it.
-        self._open: list[tuple[Phase, Any] | _PhaseBlock] = []
-
-    def __call__(self) -> tuple[_ProbedPasses, _ProbedPasses]:
-        return self, self  # torch's context_fn: (the forward's context, the recompute's)
 
     def __enter__(self) -> None:
         tracker, region = self._tracker, self._region
@@ -384,9 +412,7 @@ class _ProbedPasses:
             or not tracker.live
             or not (forward or region.by_probe)
         ):
-            block = _PhaseBlock(tracker, region, FORWARD if forward else RECOMPUTE)
-            self._open.append(block)
-            block.__enter__()
+            self._block(region, FORWARD if forward else RECOMPUTE)
             return
         if forward:
             region.by_probe = True
@@ -396,27 +422,21 @@ class _ProbedPasses:
             phase = RECOMPUTE
         self._open.append((phase, probe.enter(region, phase)))
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self._open:
-            return
-        opened = self._open.pop()
-        if isinstance(opened, _PhaseBlock):
-            opened.__exit__(exc_type, exc, tb)
-            return
+    def _ended(self, opened: tuple[Phase, Any], completed: bool) -> None:
         phase, states = opened
         tracker, region = self._tracker, self._region
-        if phase is FORWARD and exc_type is None:
+        if phase is FORWARD and completed:
             tracker._forward_ended(region)
         if states is not None and tracker.probe is not None:
-            tracker.probe.exit(region, phase, states, exc_type is None)
+            tracker.probe.exit(region, phase, states, completed)
 
 
-class _RestoredPasses:
-    """Both passes of a torch.utils.checkpoint call between sampled steps (level="step") that
-    generator states cannot check: the one generator it can draw from is the CPU default, which
-    torch stashes and restores for the recompute, and torch stops the recompute once the saved
-    tensors are back (early stop). Both passes start in the same state by torch's own restore,
-    and the recompute's end, where a different amount of draws would show, is never reached (a
+class _RestoredPasses(_Passes):
+    """Both passes of a torch.utils.checkpoint call between sampled steps that generator states
+    cannot check: the one generator it can draw from is the CPU default, which torch stashes and
+    restores for the recompute, and torch stops the recompute once the saved tensors are back
+    (early stop). Both passes start in the same state by torch's own restore, and the
+    recompute's end, where a different amount of draws would show, is never reached (a
     recompute that does reach it saved fewer tensors, which torch raises as an error itself).
     Only op-by-op checking can tell such a recompute's draws apart: sampled steps do.
 
@@ -427,23 +447,16 @@ class _RestoredPasses:
     checked one by one all the same (the switch could wait no longer) is given a region there,
     unpaired, so its random ops are not taken for a region rngcheck did not see begin."""
 
-    __slots__ = ("_tracker", "_function", "number", "_forward_ran", "_open", "__weakref__")
+    __slots__ = ("_function", "number", "__weakref__")
 
     def __init__(self, tracker: RecomputeTracker, function: Any) -> None:
+        super().__init__(tracker)
         tracker.stats["regions"] += 1
-        self._tracker = tracker
         self._function = function
         self.number = next(tracker._numbers)  # (checkpoint #N counts the calls)
-        self._forward_ran = False
-        # The passes open now, innermost last: FORWARD, RECOMPUTE (not watched), or the
-        # _PhaseBlock of a recompute checked op by op.
-        self._open: list[Phase | _PhaseBlock] = []
-
-    def __call__(self) -> tuple[_RestoredPasses, _RestoredPasses]:
-        return self, self  # torch's context_fn: (the forward's context, the recompute's)
 
     def __enter__(self) -> None:
-        if not self._forward_ran:  # the forward (a recompute may run inside it: autograd.grad)
+        if not self._forward_ran:
             self._forward_ran = True
             self._open.append(FORWARD)
             return
@@ -465,17 +478,10 @@ class _RestoredPasses:
             early_stop=True,
             by_probe=True,
         )
-        block = _PhaseBlock(tracker, region, RECOMPUTE)
-        self._open.append(block)
-        block.__enter__()
+        self._block(region, RECOMPUTE)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if not self._open:
-            return
-        opened = self._open.pop()
-        if isinstance(opened, _PhaseBlock):
-            opened.__exit__(exc_type, exc, tb)
-        elif opened is FORWARD and exc_type is None and self._tracker.live:
+    def _ended(self, opened: Phase, completed: bool) -> None:
+        if opened is FORWARD and completed and self._tracker.live:
             self._tracker._forward_ended(self)
 
 
