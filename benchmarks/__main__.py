@@ -5,6 +5,10 @@
 .venv/bin/python -m benchmarks --json results.json  # also the raw numbers
 .venv/bin/python -m benchmarks --skip ranks,memory  # one process only
 .venv/bin/python -m benchmarks --skip single,compiled,ranks,memory  # the GPT-2 section only
+
+One question, many rounds (a shared machine moves a 15-round ratio by several percent):
+.venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory --sizes 32 --rounds 100 \
+    --modes plain,rngcheck,rngcheck-step
 """
 
 import sys

@@ -32,7 +32,9 @@ __all__ = [
     "Block",
     "Budget",
     "CLOCKS",
+    "Focus",
     "Mode",
+    "NO_FOCUS",
     "Model",
     "Timings",
     "SAMPLE_EVERY",
@@ -345,17 +347,79 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-Section = Callable[[bool], tuple[str, Any]]
+@dataclass(frozen=True, slots=True)
+class Focus:
+    """What the command line narrows the timing sections to (one process, GPT-2, ranks), so one
+    question can be asked with many rounds on a noisy machine; None: the section's own choice."""
+
+    rounds: int | None = None
+    modes: tuple[str, ...] | None = None
+    sizes: tuple[int, ...] | None = None
+
+    def pick(self, modes: tuple[str, ...]) -> tuple[str, ...]:
+        """The section's ``modes`` that were asked for, in the section's order."""
+        return modes if self.modes is None else tuple(m for m in modes if m in self.modes)
+
+    @staticmethod
+    def base(modes: tuple[str, ...]) -> str:
+        """What a table's ratios are to: the no-op mode when timed, else plain training."""
+        return "noop" if "noop" in modes else "plain"
+
+
+NO_FOCUS = Focus()  # every section's own rounds, modes and sizes
+
+Section = Callable[[bool, Focus], tuple[str, Any]]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(filter(None, text.split(",")))
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {', '.join(map(repr, unknown))}; expected some of: {', '.join(MODES)}"
+        )
+    if "plain" not in names:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}: include plain (every ratio is to plain training or the no-op mode)"
+        )
+    return names
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(_positive(t) for t in text.split(",") if t)
 
 
 def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None = None) -> int:
-    """Command line of a benchmark script: ``--quick``, ``--json PATH``, and ``--skip`` when it
-    has several sections. Prints the machine line and each section's markdown."""
+    """Command line of a benchmark script: ``--quick``, ``--json PATH``, ``--rounds``,
+    ``--modes`` and ``--sizes`` (a :class:`Focus`), and ``--skip`` when it has several sections.
+    Prints the machine line and each section's markdown."""
     parser = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a tiny run (seconds)")
     parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument(
+        "--rounds", type=_positive, default=None, help="interleaved rounds of the timing sections"
+    )
+    parser.add_argument(
+        "--modes",
+        type=_names,
+        default=None,
+        help=f"only these modes, comma-separated, plain among them: {','.join(MODES)}",
+    )
+    parser.add_argument(
+        "--sizes", type=_sizes, default=None, help="model widths d, comma-separated (32,128)"
+    )
     if isinstance(sections, dict):
         parser.add_argument(
             "--skip", default="", help=f"sections to leave out: {','.join(sections)}"
@@ -364,12 +428,13 @@ def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None
     if not isinstance(sections, dict):
         sections = {"results": sections}
     skip = set(filter(None, getattr(args, "skip", "").split(",")))
+    focus = Focus(rounds=args.rounds, modes=args.modes, sizes=args.sizes or None)
     torch.set_num_threads(1)
     raw: dict[str, Any] = {"machine": machine()}
     print(f"Machine: {raw['machine']}", flush=True)
     for name, section in sections.items():
         if name not in skip:
-            text, raw[name] = section(args.quick)
+            text, raw[name] = section(args.quick, focus)
             print(f"\n{text}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

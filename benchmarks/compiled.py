@@ -17,7 +17,18 @@ from typing import Any
 
 import torch
 
-from .common import CLOCKS, Budget, Mode, Timings, budget_table, cli, interleave, ratio_table
+from .common import (
+    CLOCKS,
+    NO_FOCUS,
+    Budget,
+    Focus,
+    Mode,
+    Timings,
+    budget_table,
+    cli,
+    interleave,
+    ratio_table,
+)
 from .common import make_step as _make_step
 
 __all__ = ["main", "run", "section"]
@@ -70,7 +81,7 @@ def budgets(results: dict[int, Timings]) -> list[Budget]:
     ]
 
 
-def section(quick: bool) -> tuple[str, dict[str, Any]]:
+def section(quick: bool, _focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     sizes, rounds, steps = ((8,), 2, 2) if quick else ((32, 128), 15, 10)
     results = run(sizes, rounds, steps)
     text = "\n\n".join(

@@ -27,7 +27,9 @@ import torch.multiprocessing as mp
 from .common import (
     CLOCKS,
     MODES,
+    NO_FOCUS,
     Budget,
+    Focus,
     Timings,
     budget_table,
     cli,
@@ -176,16 +178,22 @@ def run_world(world: int, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(
-    sizes: tuple[int, ...], rounds: int, steps: int, exchange_steps: int, worlds: tuple[int, ...]
+    sizes: tuple[int, ...],
+    rounds: int,
+    steps: int,
+    exchange_steps: int,
+    worlds: tuple[int, ...],
+    modes: tuple[str, ...] = RANK_MODES,
 ) -> dict[str, Any]:
-    """2-rank timing on ``sizes``; the exchange on the smallest size at each of ``worlds``."""
+    """2-rank timing of ``modes`` on ``sizes``; the exchange on the smallest size at each of
+    ``worlds``."""
     config = {"exchange_steps": exchange_steps, "exchange_d": min(sizes)}
     timing = run_world(
         2,
         {
             **config,
             "timing": True,
-            "modes": RANK_MODES,
+            "modes": modes,
             "sizes": sizes,
             "rounds": rounds,
             "steps": steps,
@@ -211,7 +219,7 @@ def budgets(result: dict[str, Any]) -> list[Budget]:
     for d, t in _timings(result).items():
         out += step_level_budgets(f"2 ranks, d={d}", t)
         for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
-            if name in t.modes:
+            if {name, "noop"} <= set(t.modes):
                 out.append(
                     Budget(
                         f"2 ranks, d={d}: {MODES[name].label} / no-op mode",
@@ -244,7 +252,7 @@ def timing_table(result: dict[str, Any]) -> str:
     results = {d: timing[d] for d in sorted(timing)}
     names = results[next(iter(results))].modes
     labels = {n: MODES[n].label for n in names}
-    return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, "noop")
+    return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, Focus.base(tuple(names)))
 
 
 def _time_cell(e: dict[str, Any], clock: str) -> str:
@@ -289,15 +297,17 @@ def exchange_table(result: dict[str, Any]) -> str:
     )
 
 
-def section(quick: bool) -> tuple[str, dict[str, Any]]:
+def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The several-ranks section of the report: markdown and raw numbers."""
     rounds, steps = (2, 2) if quick else (15, 8)
+    rounds = focus.rounds or rounds
     result = run(
-        (8,) if quick else (32, 128),
+        focus.sizes or ((8,) if quick else (32, 128)),
         rounds=rounds,
         steps=steps,
         exchange_steps=2 if quick else 10,
         worlds=(2,) if quick else (2, 4),
+        modes=focus.pick(RANK_MODES),
     )
     parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
     if result["note"]:

@@ -15,7 +15,18 @@ from typing import Any
 
 import torch
 
-from .common import CLOCKS, MODES, Budget, Timings, budget_table, cli, interleave, ratio_table
+from .common import (
+    CLOCKS,
+    MODES,
+    NO_FOCUS,
+    Budget,
+    Focus,
+    Timings,
+    budget_table,
+    cli,
+    interleave,
+    ratio_table,
+)
 
 __all__ = ["make_gpt2_step", "run", "section"]
 
@@ -55,13 +66,13 @@ def make_gpt2_step(
     return model, step
 
 
-def run(rounds: int, steps: int) -> Timings | None:
+def run(rounds: int, steps: int, modes: tuple[str, ...] = GPT2_MODES) -> Timings | None:
     torch.set_num_threads(1)
     made = make_gpt2_step()
     if made is None:
         return None
     model, step = made
-    return interleave([MODES[m] for m in GPT2_MODES], model, step, rounds=rounds, steps=steps)
+    return interleave([MODES[m] for m in modes], model, step, rounds=rounds, steps=steps)
 
 
 def budgets(t: Timings) -> list[Budget]:
@@ -70,16 +81,18 @@ def budgets(t: Timings) -> list[Budget]:
     return step_level_budgets("GPT-2 (tiny config)", t)
 
 
-def section(quick: bool) -> tuple[str, dict[str, Any]]:
+def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     rounds, steps = (2, 2) if quick else (15, 10)
-    t = run(rounds, steps)
+    rounds = focus.rounds or rounds
+    modes = focus.pick(GPT2_MODES)
+    t = run(rounds, steps, modes)
     title = f"### Hugging Face GPT-2, tiny config ({rounds} interleaved rounds x {steps} steps)"
     if t is None:
         return f"{title}\n\nSkipped: transformers is not installed.", {}
-    labels = {m: MODES[m].label for m in GPT2_MODES}
+    labels = {m: MODES[m].label for m in modes}
     table = ratio_table("mode", labels, {"GPT-2": t}, "plain")
     text = "\n\n".join([title, table, budget_table(budgets(t))])
-    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in GPT2_MODES}
+    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in modes}
     return text, raw
 
 

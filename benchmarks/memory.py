@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .common import cli, make_step, markdown_table
+from .common import NO_FOCUS, Focus, cli, make_step, markdown_table
 
 __all__ = ["Sample", "main", "run", "section", "table"]
 
@@ -124,7 +124,7 @@ def step_level_summary(samples: list[Sample]) -> str:
     )
 
 
-def section(quick: bool) -> tuple[str, dict[str, list[dict[str, int]]]]:
+def section(quick: bool, _focus: Focus = NO_FOCUS) -> tuple[str, dict[str, list[dict[str, int]]]]:
     """The memory section of the report: markdown and raw samples."""
     samples = run(12, d=8, samples=3, window=16) if quick else run(1000, samples=5)
     # level="step" with no sampled step after its first two: what it keeps between samples.

@@ -14,8 +14,10 @@ import torch
 from .common import (
     CLOCKS,
     MODES,
+    NO_FOCUS,
     SAMPLE_EVERY,
     Budget,
+    Focus,
     Timings,
     amortised,
     budget_table,
@@ -121,14 +123,16 @@ def to_json(results: dict[int, Timings]) -> dict[str, Any]:
     }
 
 
-def section(quick: bool) -> tuple[str, dict[str, Any]]:
+def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The one-process section of the report: markdown and raw numbers."""
     sizes, rounds, steps = ((8,), 2, 2) if quick else ((32, 128), 15, 10)
-    results = run(sizes, rounds, steps)
+    sizes, rounds = focus.sizes or sizes, focus.rounds or rounds
+    modes = focus.pick(SINGLE_MODES)
+    results = run(sizes, rounds, steps, modes)
     text = "\n\n".join(
         [
             f"### One process ({rounds} interleaved rounds x {steps} steps per mode)",
-            table(results),
+            table(results, Focus.base(modes)),
             budget_table(budgets(results)),
         ]
     )

@@ -11,14 +11,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str) -> str:
-    proc = subprocess.run(
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def _run(*args: str) -> str:
+    proc = _bench(*args)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -66,3 +70,52 @@ def test_two_rank_timing_and_exchange_tables():
     assert '2 ranks, d=8: level="step" between samples / plain' in out
     assert '| 2 | sync="step" |' in out
     assert '| 2 | sync="op" |' in out
+
+
+@pytest.mark.slow
+def test_one_question_with_more_rounds(tmp_path):
+    """--modes, --sizes and --rounds narrow the timing sections to one comparison (what a noisy
+    machine needs many rounds of); the budgets that lack a mode are left out, not faked."""
+    out = _run(
+        "--skip",
+        "ranks,compiled,memory,gpt2",
+        "--modes",
+        "plain,rngcheck,rngcheck-step",
+        "--sizes",
+        "8,16",
+        "--rounds",
+        "3",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
+    assert "### One process (3 interleaved rounds x 2 steps per mode)" in out
+    for label in (
+        "plain training",
+        "rngcheck, defaults",
+        'rngcheck, level="step" (between samples)',
+    ):
+        assert f"| {label} |" in out
+    assert "no-op TorchDispatchMode" not in out and "DebugMode" not in out
+    assert "| d=16 / plain |" in out  # ratios to plain training: the no-op mode was not timed
+    assert 'd=16: level="step", 1 step in 100 op by op / plain' in out
+    assert "rngcheck defaults / no-op mode" not in out
+    raw = json.loads((tmp_path / "r.json").read_text())
+    assert set(raw["single"]) == {"8", "16"}
+    assert set(raw["single"]["16"]) == {"plain", "rngcheck", "rngcheck-step"}
+    assert [len(block) for block in raw["single"]["16"]["rngcheck"]["samples"]] == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--modes", "rngcheck"], "include plain"),
+        (["--modes", "plain,fast"], "unknown mode 'fast'; expected some of: plain, noop"),
+        (["--rounds", "0"], "expected a whole number of at least 1, got '0'"),
+        (["--sizes", "32,x"], "expected a whole number of at least 1, got 'x'"),
+    ],
+)
+def test_a_bad_focus_is_refused_before_anything_runs(args, expected):
+    proc = _bench(*args)
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert "Machine:" not in proc.stdout
