@@ -33,8 +33,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.utils.checkpoint as tuc
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.dispatch import DynamoSkippedMode
 from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.ops import OpKind, classify
 from .region import Region, devices_of
@@ -505,7 +505,7 @@ class _ObservedRecompute:
         return self._inner.__exit__(*exc)
 
 
-class _CacheObserver(TorchDispatchMode):
+class _CacheObserver(DynamoSkippedMode):
     """Notes random ops that a mode between it and rngcheck's mode answered without running.
 
     Selective checkpointing serves saved ops from a cache above rngcheck's dispatch mode, where
