@@ -5,6 +5,8 @@ checkpoint region rather than staying silent."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -162,3 +164,17 @@ def test_no_warning_without_checkpoint_or_with_check_recompute_off():
         with rngcheck.RNGConsistencyMode(on_finding="record", check_recompute=False) as mode:
             _dropout_region(reentrant=False)
         assert not [n for n in mode.report.notes if n.kind == "not_checked"]
+
+
+def test_a_run_that_compiles_nothing_never_imports_torch_dynamo():
+    # torch wraps a dispatch mode's __torch_dispatch__ in torch._disable_dynamo, which imports
+    # TorchDynamo at the first op (seconds) and costs every op its Python layers; rngcheck's mode
+    # is kept from TorchDynamo by a mark on its code object instead, on every torch in CI.
+    code = (
+        "import sys, torch, rngcheck\n"
+        "with rngcheck.RNGConsistencyMode():\n"
+        "    torch.nn.functional.dropout(torch.ones(8), 0.5)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the mode imported torch._dynamo'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
