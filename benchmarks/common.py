@@ -323,7 +323,8 @@ def ratio_table(
 ) -> str:
     """Rows: modes (name -> label); per width (an int key, ``d=32``; a str key is its own
     heading): median step time, ratio to ``base`` (wall and CPU), and with ``plain`` the ratio
-    to plain training."""
+    to plain training (unless ``base`` is plain training already)."""
+    plain = plain and base != "plain"
     header = [first]
     for d in results:
         w = f"d={d}" if isinstance(d, int) else str(d)

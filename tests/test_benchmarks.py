@@ -96,7 +96,11 @@ def test_one_question_with_more_rounds(tmp_path):
     ):
         assert f"| {label} |" in out
     assert "no-op TorchDispatchMode" not in out and "DebugMode" not in out
-    assert "| d=16 / plain |" in out  # ratios to plain training: the no-op mode was not timed
+    # Ratios to plain training (the no-op mode was not timed), in one column per clock.
+    assert (
+        "| d=8 ms | d=8 / plain | d=8 / plain (CPU) | d=16 ms | d=16 / plain | d=16 / plain (CPU) |"
+        in out
+    )
     assert 'd=16: level="step", 1 step in 100 op by op / plain' in out
     assert "rngcheck defaults / no-op mode" not in out
     raw = json.loads((tmp_path / "r.json").read_text())
