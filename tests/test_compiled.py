@@ -157,38 +157,6 @@ def test_graph_breaks_and_disabled_regions_run_eagerly_and_are_checked_op_by_op(
     assert "was passed as generator=" in f.cause
 
 
-def test_dynamo_never_compiles_the_checker_itself():
-    # The ops of a graph break run eagerly in the compiled frame, with Dynamo's frame callback
-    # still set: the mode's frames (and all they call) must run as plain Python, never be taken
-    # for user code to compile. The mode skips them by code object, not by torch's per-call
-    # wrapper (tests/test_benchmarks.py's floor is measured the same way).
-    from torch._dynamo.utils import counters
-
-    gen = torch.Generator().manual_seed(0)
-
-    def f(x):
-        y = x * 2
-        s = y.sum().item()  # a graph break: runs eagerly
-        z = torch.bernoulli(torch.full_like(y, 0.5), generator=gen)  # eager too (a generator)
-        return y + z + s
-
-    def frames(ctx: Any) -> int:
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(f, backend="eager")
-        with ctx:
-            for _ in range(3):
-                compiled(torch.ones(4))
-        return counters["frames"]["total"]
-
-    import contextlib
-
-    plain = frames(contextlib.nullcontext())
-    mode = rngcheck.RNGConsistencyMode()
-    assert frames(mode) == plain, "Dynamo compiled frames of rngcheck's own"
-    assert mode.report.random_ops == 3 and mode.report.ok  # each call's eager draw was checked
-
-
 # -- two ranks -------------------------------------------------------------------------------------
 
 

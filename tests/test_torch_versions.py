@@ -4,10 +4,13 @@ checkpoint region rather than staying silent."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -166,15 +169,57 @@ def test_no_warning_without_checkpoint_or_with_check_recompute_off():
         assert not [n for n in mode.report.notes if n.kind == "not_checked"]
 
 
+# -- TorchDynamo and the mode ----------------------------------------------------------------------
+# torch wraps a dispatch mode's __torch_dispatch__ in torch._disable_dynamo, which costs every op
+# its Python layers and imports TorchDynamo at the first op (seconds); rngcheck's mode is kept
+# from TorchDynamo by a mark on its code object instead, on every torch in CI.
+
+
+def test_dynamo_never_compiles_the_checker_itself():
+    # The ops of a graph break run eagerly in the compiled frame, with TorchDynamo's frame
+    # callback still set: the mode's frames (and all they call) must run as plain Python, never
+    # be taken for user code to compile (without the mark: 97 frames of rngcheck's compiled).
+    from torch._dynamo.utils import counters
+
+    gen = torch.Generator().manual_seed(0)
+
+    def f(x):
+        y = x * 2
+        s = y.sum().item()  # a graph break: runs eagerly
+        z = torch.bernoulli(torch.full_like(y, 0.5), generator=gen)  # eager too (a generator)
+        return y + z + s
+
+    def frames(ctx: Any) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(f, backend="eager")
+        with ctx:
+            for _ in range(3):
+                compiled(torch.ones(4))
+        return counters["frames"]["total"]
+
+    plain = frames(contextlib.nullcontext())
+    mode = rngcheck.RNGConsistencyMode()
+    assert plain > 0  # (TorchDynamo did compile f)
+    assert frames(mode) == plain, "TorchDynamo compiled frames of rngcheck's own"
+    assert mode.report.random_ops == 3 and mode.report.ok  # each call's eager draw was checked
+    torch._dynamo.reset()
+
+
 def test_a_run_that_compiles_nothing_never_imports_torch_dynamo():
-    # torch wraps a dispatch mode's __torch_dispatch__ in torch._disable_dynamo, which imports
-    # TorchDynamo at the first op (seconds) and costs every op its Python layers; rngcheck's mode
-    # is kept from TorchDynamo by a mark on its code object instead, on every torch in CI.
     code = (
         "import sys, torch, rngcheck\n"
         "with rngcheck.RNGConsistencyMode():\n"
         "    torch.nn.functional.dropout(torch.ones(8), 0.5)\n"
-        "assert 'torch._dynamo' not in sys.modules, 'the mode imported torch._dynamo'\n"
+        "print('torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("RNGCHECK") and k not in ("PYTHONOPTIMIZE", "PYTHONSTARTUP")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False", "the mode imported torch._dynamo"

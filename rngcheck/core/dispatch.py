@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from types import CodeType
+from types import CodeType, FunctionType
 from typing import Any
 
 from torch.utils._python_dispatch import (
@@ -38,7 +38,8 @@ def _dynamo_skipper() -> Callable[[CodeType], None] | None:
         )
 
         skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
-    except (ImportError, AttributeError, TypeError):
+        set_code_exec_strategy((lambda: None).__code__, skip)  # (a build without Dynamo)
+    except Exception:
         return None
 
     def mark(code: CodeType) -> None:
@@ -52,17 +53,23 @@ _SKIP_DYNAMO = _dynamo_skipper()
 
 class DynamoSkippedMode(TorchDispatchMode):
     """A dispatch mode whose ``__torch_dispatch__`` Dynamo never compiles, marked once on its code
-    object instead of wrapped per call (torch's wrapper only where the mark is missing)."""
+    object instead of wrapped per call (torch's wrapper where the mark is missing, or where the
+    method is not a plain function of its own whose code can carry it)."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return _SKIP_DYNAMO is None  # (torch asks while it makes the class, below)
+        # torch asks while it makes a subclass (its __init_subclass__), and wraps when True.
+        own = cls.__dict__.get("__torch_dispatch__")
+        return _SKIP_DYNAMO is None or (own is not None and not isinstance(own, FunctionType))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        own = cls.__dict__.get("__torch_dispatch__")
         super().__init_subclass__(**kwargs)
-        own = getattr(cls.__dict__.get("__torch_dispatch__"), "__code__", None)
-        if _SKIP_DYNAMO is not None and own is not None:
-            _SKIP_DYNAMO(own)
+        # Marked only as written and left unwrapped: a wrapper's code (torch's own is shared by
+        # every torch._disable_dynamo) must never be marked.
+        unwrapped = cls.__dict__.get("__torch_dispatch__") is own
+        if _SKIP_DYNAMO is not None and unwrapped and isinstance(own, FunctionType):
+            _SKIP_DYNAMO(own.__code__)
 
 
 class Interceptor(DynamoSkippedMode):
