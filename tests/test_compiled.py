@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import rngcheck
+from rngcheck.recompute import torch_hooks
 
 pytestmark = [
     pytest.mark.slow,
@@ -117,6 +118,69 @@ def test_checkpoint_inside_compiled_code_is_quiet():
     assert report.ok, [f.message for f in report.findings]
     assert report.meta["compiled"]["forward_draws"] == 2
     assert not report.notes
+
+
+def _checkpointed_dropout() -> tuple[nn.Module, Any]:
+    lin = nn.Linear(16, 16)
+
+    def block(x):
+        return F.dropout(lin(x), 0.3)
+
+    return lin, lambda x: checkpoint(block, x, use_reentrant=False).sum()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_checkpoint_that_nothing_replays_is_found_and_named(backend):
+    """torch.compile runs torch.utils.checkpoint as its checkpoint operator, always with
+    preserve_rng_state=False, and leaves replaying the region's randomness to AOT autograd. A
+    backend without it (backend="eager") recomputes a new dropout mask: the gradients are not the
+    uncompiled ones (pytorch issue 160773; torch 2.9 skipped such a recompute altogether). Found
+    exactly when they differ, with that cause, not "use preserve_rng_state=True", which the user
+    never set. aot_eager replays the forward's mask and is quiet."""
+    torch.manual_seed(0)
+    _, fn = _checkpointed_dropout()
+    uncompiled = _steps(fn)
+    compiled = torch.compile(fn, backend=backend)
+    plain = _steps(compiled)
+    checked: list[Any] = []
+    report = run(lambda: checked.append(_steps(compiled)))
+    for a, b in zip(plain[0] + plain[1], checked[0][0] + checked[0][1], strict=True):
+        assert torch.equal(a, b)  # the checker changes no result
+    assert all(torch.equal(a, b) for a, b in zip(uncompiled[0], plain[0], strict=True))
+    redrawn = not all(torch.equal(a, b) for a, b in zip(uncompiled[1], plain[1], strict=True))
+    if torch_hooks.TORCH_VERSION >= (2, 13):  # the torches this was measured on
+        assert redrawn is (backend == "eager")
+    if not redrawn:
+        assert report.ok, [f.message for f in report.findings]
+        return
+    (f,) = report.findings
+    assert f.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH and f.differs == "state"
+    assert f.count == 2  # each step's region recomputes a new mask
+    assert "tag_activation_checkpoint" in f.cause and 'backend="eager"' in f.cause
+    assert "pytorch issue 160773" in f.cause and "Use preserve_rng_state=True" not in f.cause
+    assert [s.event.op for s in f.sides] == ["aten.bernoulli_.float"] * 2
+
+
+def test_a_compiled_checkpoint_that_nothing_replays_is_named_between_sampled_steps():
+    """The step level finds it by generator states between sampled steps, with the same cause,
+    then locates it op by op at the next step."""
+    torch.manual_seed(0)
+    lin, fn = _checkpointed_dropout()
+    compiled = torch.compile(fn, backend="eager")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with rngcheck.RNGConsistencyMode(
+        level="step", sample_first=1, sample_every=1000, on_finding="record"
+    ) as mode:
+        for step in range(4):
+            x = torch.randn(4, 16, requires_grad=True)
+            # The first step, checked op by op, runs no checkpoint.
+            (compiled(x) if step else lin(x).sum()).backward()
+            opt.step()
+    probed, located = mode.report.findings[:2]
+    assert "(checked at the step level)" in probed.message, probed.message
+    assert "tag_activation_checkpoint" in probed.cause and "160773" in probed.cause
+    assert probed.op == "non-reentrant checkpoint"
+    assert located.op == "aten.bernoulli_.float" and "tag_activation_checkpoint" in located.cause
 
 
 @pytest.mark.parametrize("preserve", [True, False])

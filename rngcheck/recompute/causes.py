@@ -18,7 +18,15 @@ import torch
 from ..core.events import RandomOpEvent, SeedCall
 from .region import Region
 
-__all__ = ["CAUSES", "Cause", "Evidence", "control_flow_cause", "first_difference", "likely_cause"]
+__all__ = [
+    "CAUSES",
+    "Cause",
+    "Evidence",
+    "compiled_checkpoint_cause",
+    "control_flow_cause",
+    "first_difference",
+    "likely_cause",
+]
 
 # Seeding APIs that reseed (as opposed to set_rng_state, which swaps a saved state in).
 _RESEED_APIS = ("manual_seed", "manual_seed_all", "seed", "seed_all")
@@ -248,6 +256,11 @@ CAUSES: tuple[Cause, ...] = (
         ),
     ),
     Cause(
+        "torch.compile's checkpoint run without AOT autograd",
+        lambda e: e.not_preserved and e.region.by_compile,
+        lambda e: f"{compiled_checkpoint_cause(e.gen)}.",
+    ),
+    Cause(
         "preserve_rng_state=False",
         lambda e: e.not_preserved,
         lambda e: (
@@ -325,6 +338,23 @@ def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, dif
     """The first row of :data:`CAUSES` that applies, in words."""
     evidence = Evidence(region, k, f, r, differs)
     return next(c.says(evidence) for c in CAUSES if c.when(evidence))
+
+
+def compiled_checkpoint_cause(label: str) -> str:
+    """Why a region that torch.compile's checkpoint operator ran as captured did not replay
+    ``label`` (no final full stop)."""
+    return (
+        "torch.compile captured this torch.utils.checkpoint call as its checkpoint operator "
+        "(tag_activation_checkpoint), which always runs the region with preserve_rng_state=False "
+        "and leaves replaying the forward's random numbers to AOT autograd and inductor; the "
+        'backend ran the captured graph as it is (backend="eager" does, and so does a custom '
+        f"backend that calls the GraphModule), so nothing stashed and restored {label}: the "
+        "recompute continues the stream instead of replaying it, and the gradients belong to "
+        'masks the forward never applied (this operator under backend="eager": pytorch '
+        'issue 160773). Compile with backend="aot_eager" or "inductor", or checkpoint outside '
+        "the compiled function (a compiled function inside torch.utils.checkpoint is restored "
+        "like any other)"
+    )
 
 
 def _xla_cause(region: Region, label: str) -> str:

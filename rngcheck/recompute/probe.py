@@ -25,7 +25,7 @@ from typing import Any
 from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.findings import Finding, FindingKind
 from ..core.stacks import Stack
-from .causes import control_flow_cause
+from .causes import compiled_checkpoint_cause, control_flow_cause
 from .region import Region
 
 __all__ = ["StateProbe"]
@@ -254,7 +254,9 @@ def _hex(digest: int | None) -> str:
 
 
 def _cause(region: Region, label: str, is_default: bool) -> str:
-    if region.preserve_rng_state is False and is_default:
+    if region.preserve_rng_state is False and is_default and region.by_compile:
+        why = compiled_checkpoint_cause(label)
+    elif region.preserve_rng_state is False and is_default:
         why = (
             f"the region was checkpointed with preserve_rng_state=False, so {label} was not "
             "stashed and restored"

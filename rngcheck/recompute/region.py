@@ -25,6 +25,9 @@ class _RegionFields:
     site: str
     module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
+    # torch.compile's checkpoint operator ran the region as captured, with the
+    # preserve_rng_state=False it always passes (a backend without AOT autograd: "eager")
+    by_compile: bool = False
     devices: tuple[str, ...] = ()  # device types of the tensor arguments (what torch stashes)
     # torch stops the recompute once the saved tensors are back (torch.utils.checkpoint's
     # non-reentrant early stop, by the call's argument or torch's global switch)

@@ -251,6 +251,11 @@ _REGION_CODES = frozenset(
     for name in ("forward", "backward")
 ) - {None}
 
+# torch.compile's checkpoint operator (``tag_activation_checkpoint``), run as captured (a backend
+# without AOT autograd), calls torch.utils.checkpoint with preserve_rng_state=False on an FX
+# Interpreter's ``run``, or (torch 2.13 on) on a closure of its own around one.
+_COMPILE_OPERATOR = frozenset({"torch._higher_order_ops.wrap", "torch.fx.interpreter"})
+
 
 def checkpoint_frame_on_stack(skip: int = 1) -> bool:
     """Whether a torch checkpoint region is running below the caller, by its frames (a walk of a
@@ -397,6 +402,8 @@ class TorchCheckpointPatches:
             devices=devices,
             early_stop=early_stop,
         )
+        if preserve is False and getattr(fn, "__module__", None) in _COMPILE_OPERATOR:
+            region.by_compile = True
         if probed is not None:
             return layout.call(original, args, kwargs, fn, probed(region))
         return self._around(original, layout, args, kwargs, region, fn, context_fn)
