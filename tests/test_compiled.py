@@ -5,6 +5,7 @@ compile nest either way. Real compilation with the inductor backend on the CPU."
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -181,6 +182,34 @@ def test_a_compiled_checkpoint_that_nothing_replays_is_named_between_sampled_ste
     assert "tag_activation_checkpoint" in probed.cause and "160773" in probed.cause
     assert probed.op == "non-reentrant checkpoint"
     assert located.op == "aten.bernoulli_.float" and "tag_activation_checkpoint" in located.cause
+
+
+def _dropout_sum(x):
+    return F.dropout(x * 2, 0.5).sum()
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_compiled_graph_goes_when_its_function_goes(backend):
+    """TorchDynamo deletes a compiled graph from its module when the transformed code dies. The
+    mode's random ops walked that code's frames; a cache of rngcheck's that kept the code alive
+    kept every graph compiled under the mode until exit (and on torch 2.14 its cleanup then
+    raised in a weakref callback at interpreter shutdown)."""
+
+    def graphs() -> set[str]:
+        return {k for k in globals() if k.startswith("__compiled_fn")}
+
+    before = graphs()
+    compiled = torch.compile(_dropout_sum, backend=backend)
+    x = torch.randn(8, requires_grad=True)
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        compiled(x).backward()
+    assert mode.report.random_ops >= 1
+    made = graphs() - before
+    assert made  # compiled here
+    del compiled, mode
+    torch._dynamo.reset()
+    gc.collect()
+    assert not graphs() & made
 
 
 @pytest.mark.parametrize("preserve", [True, False])

@@ -424,3 +424,21 @@ def test_records_keep_no_tensors_alive():
     gc.collect()
     assert ref() is None
     assert mode.events[0].args == ("size=[1000]", "device=cpu")
+
+
+def test_what_is_learned_per_code_object_keeps_no_code_alive():
+    """A cache keyed by code objects must not hold them: generated code (TorchDynamo's, a
+    template's) dies with what made it, and a strong reference would keep it and everything it
+    holds for the life of the process."""
+    from rngcheck.core.stacks import CodeFlags
+
+    seen = []
+    flags = CodeFlags(lambda code: seen.append(code.co_name) or True, limit=2)
+    code = compile("def made(): pass", "<generated>", "exec").co_consts[0]
+    alive = weakref.ref(code)
+    assert flags(code) and flags(code) and seen == ["made"]  # learned once
+    del code
+    gc.collect()
+    assert alive() is None and not flags._known  # gone, and its entry with it
+    codes = [compile(f"x{i} = {i}", "<generated>", "exec") for i in range(5)]
+    assert all(flags(c) for c in codes) and len(flags._known) <= 3  # the limit holds

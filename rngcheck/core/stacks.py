@@ -12,6 +12,7 @@ import linecache
 import os
 import sys
 import sysconfig
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType, FrameType
@@ -100,23 +101,36 @@ class Frame:
 class CodeFlags:
     """A yes/no learned once per code object (``learn(code)``), then one dict lookup. Keyed by
     identity: hashing a code object hashes its constants (nested functions' code too) on every
-    lookup. An entry holds its code object, so the id is not reused while the entry lives."""
+    lookup. An entry refers to its code weakly and leaves with it, so the id is not reused while
+    the entry lives and no code is kept alive: TorchDynamo's transformed code deletes its compiled
+    graph from the module when it dies (after ``torch._dynamo.reset()``, or when a compiled
+    function goes), which a strong reference here would hold back forever."""
 
     __slots__ = ("_learn", "_known", "_limit")
 
     def __init__(self, learn: Callable[[CodeType], bool], limit: int = 65536) -> None:
         self._learn = learn
-        self._known: dict[int, tuple[CodeType, bool]] = {}
+        self._known: dict[int, tuple[weakref.ReferenceType[CodeType], bool]] = {}
         self._limit = limit  # generated code can make many code objects
 
     def __call__(self, code: CodeType) -> bool:
         known = self._known.get(id(code))
-        if known is not None and known[0] is code:
+        if known is not None:
             return known[1]
-        if len(self._known) > self._limit:
-            self._known.clear()
         flag = self._learn(code)
-        self._known[id(code)] = (code, flag)
+        known_codes = self._known
+        if len(known_codes) > self._limit:
+            known_codes.clear()
+        key = id(code)
+
+        def forget(_: object) -> None:
+            known_codes.pop(key, None)
+
+        try:
+            ref = weakref.ref(code, forget)
+        except TypeError:  # a code object that takes no weak reference: learned every time
+            return flag
+        known_codes[key] = (ref, flag)
         return flag
 
     def clear(self) -> None:
