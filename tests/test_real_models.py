@@ -1,18 +1,24 @@
 """Real third-party models: Hugging Face transformers built from tiny configs, trained for a few
 steps under Hugging Face's own gradient checkpointing. Correct training gives no finding; the bugs
 users actually hit (preserve_rng_state=False, a user generator inside a layer, a dropout schedule
-that changes p before backward) are found, pointing at the model file's line on both sides."""
+that changes p before backward) are found, pointing at the model file's line on both sides. The
+same training compiled whole with torch.compile is quiet where the compiler replays each region's
+randomness and found where it does not."""
 
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
+from typing import Any
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from _recompute_util import marked_line
 from torch import nn
 
 import rngcheck
+from rngcheck.recompute import torch_hooks
 
 _hf = pytest.importorskip("_hf", reason="needs transformers (requirements-test.txt)")
 
@@ -162,3 +168,44 @@ def _assert_model_lines(finding, model_file: str, innermost: bool = True) -> Non
         )
         if innermost:
             assert f"{os.sep}transformers{os.sep}" in frames[-1].filename, frames[-1]
+
+
+def _compiled_training(backend: str, checked: bool) -> tuple[list[torch.Tensor], Any]:
+    """Three SGD steps of a checkpointed GPT-2 compiled whole with ``backend``: its losses and
+    parameters, and the report when ``checked``."""
+    model = _checkpointed("gpt2", reentrant=False)
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mode = rngcheck.RNGConsistencyMode(on_finding="record") if checked else nullcontext()
+    losses = []
+    with mode:
+        for _ in range(3):
+            loss = compiled(**_hf.batch("gpt2")).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    torch._dynamo.reset()
+    out = losses + [p.detach() for p in model.parameters()]
+    return out, mode.report if checked else None
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # inductor's
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager", "eager"])
+def test_compiled_training_with_gradient_checkpointing(backend):
+    """GPT-2 under Hugging Face's gradient checkpointing, compiled whole. Inductor and aot_eager
+    replay each region's randomness: quiet. The eager backend recomputes every region's dropout
+    afresh (torch.compile's checkpoint operator runs it with preserve_rng_state=False): found,
+    with that cause. Bitwise the same results with and without the checker either way."""
+    with inductor_config.patch(fx_graph_cache=False):
+        plain, _ = _compiled_training(backend, checked=False)
+        checked, report = _compiled_training(backend, checked=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, checked, strict=True))
+    assert report.random_ops > 0
+    if backend != "eager" or torch_hooks.TORCH_VERSION < (2, 13):
+        assert report.ok, [f.message for f in report.findings]
+        return
+    assert report.findings and all(
+        f.kind is rngcheck.FindingKind.RECOMPUTE_MISMATCH for f in report.findings
+    )
+    assert all("tag_activation_checkpoint" in f.cause for f in report.findings)
