@@ -254,11 +254,11 @@ def _hex(digest: int | None) -> str:
 
 
 def _cause(region: Region, label: str, is_default: bool) -> str:
-    if region.preserve_rng_state is False and is_default and region.by_compile:
-        why = compiled_checkpoint_cause(label)
-    elif region.preserve_rng_state is False and is_default:
+    if region.preserve_rng_state is False and is_default:
         why = (
-            f"the region was checkpointed with preserve_rng_state=False, so {label} was not "
+            compiled_checkpoint_cause(label)
+            if region.by_compile
+            else f"the region was checkpointed with preserve_rng_state=False, so {label} was not "
             "stashed and restored"
         )
     elif not is_default and not region.custom:
