@@ -11,6 +11,7 @@ alone (rank 0 sampling with generate(do_sample=True)).
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -119,6 +120,25 @@ def hf_ddp_generate_on_rank0(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode, line=line)
 
 
+def ddp_seed_plus_rank_model_moved_before_wrapping(rank: int, world: int) -> dict[str, Any]:
+    """seed + rank, then the model moved before DDP (``model.to(device)``; here to float64, which
+    copies every parameter the same way a move to a GPU does): DDP broadcasts the moved
+    parameters, not the storage their initialisation wrote to."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _mode() as mode:
+        torch.manual_seed(42 + rank)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+        model = DDP(model.to(torch.float64))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            model(torch.ones(4, 8, dtype=torch.float64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        weights = [p.detach().clone() for p in model.parameters()]
+    return _summary(mode, digest=float(sum(w.sum() for w in weights)))
+
+
 def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -216,6 +236,7 @@ SCENARIOS = [
     "hf_ddp_same_seed_per_rank_data",
     "hf_ddp_seed_plus_rank",
     "ddp_dropout_masks_differ",
+    "ddp_seed_plus_rank_model_moved_before_wrapping",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -247,6 +268,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "hf_ddp_same_seed_per_rank_data",
         "hf_ddp_seed_plus_rank",
         "ddp_dropout_masks_differ",
+        "ddp_seed_plus_rank_model_moved_before_wrapping",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -269,6 +291,18 @@ def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
     # ...and the replicas did end up equal: DDP's broadcast made them so.
     digests = {r["digest"] for r in _results(two, "hf_ddp_seed_plus_rank").values()}
     assert len(digests) == 1
+
+
+def test_a_model_moved_before_wrapping_is_still_known_as_broadcast(two: Any) -> None:
+    results = _results(two, "ddp_seed_plus_rank_model_moved_before_wrapping")
+    for rank, r in results.items():
+        text = "\n".join(r["notes"])
+        # Both of nn.Linear's initialisations (weight and bias), though moved to new storage.
+        assert "not compared: 2 parameter initialisation(s); DistributedDataParallel" in text, (
+            rank,
+            r["notes"],
+        )
+    assert len({r["digest"] for r in results.values()}) == 1
 
 
 @pytest.mark.parametrize(
@@ -341,3 +375,48 @@ def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(ranks: int) -
     assert r.stdout.count("training finished") == ranks
     where = f" on rank 0 of {ranks}" if ranks > 1 else ""
     assert f"random op(s) checked{where}, no findings" in r.stderr, r.stderr[-2000:]
+
+
+def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = str(Path(_HERE).parent / "scripts" / "train_hf_trainer.py")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    out.mkdir()
+    r = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=2", script, str(out)],
+        env={**_script_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=os.getcwd(),
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("training finished") == 2
+    results = {rank: (out / f"result{rank}.json").read_text() for rank in (0, 1)}
+    return {"stderr": r.stderr, "results": results}
+
+
+@pytest.mark.parametrize("level", ["op", "step"])
+def test_hugging_face_trainer_under_torchrun_is_quiet_and_unchanged(tmp_path: Any, level: str):
+    """Hugging Face's Trainer, as people run it: accelerate moves the model to ``cpu:0`` (new
+    storage for every parameter) before DDP. The parameters' initialisations are still known
+    as broadcast; the run trains bitwise as it does without rngcheck."""
+    plain = _trainer_run(tmp_path / "plain", RNGCHECK="0")
+    checked = _trainer_run(
+        tmp_path / "checked", RNGCHECK_LEVEL=level, RNGCHECK_REPORT=str(tmp_path / "reports")
+    )
+    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
+        "stderr"
+    ][-3000:]
+    assert checked["results"] == plain["results"]
+    if level == "op":
+        report = json.loads((tmp_path / "reports" / "rank0.json").read_text())
+        notes = "\n".join(n["message"] for n in report["notes"])
+        assert "parameter initialisation(s); DistributedDataParallel over ranks 0-1 broadcast" in (
+            notes
+        )
+        # GPT-2's output layer, tied to its input embedding after it was initialised.
+        assert "of parameters that no longer existed at the first step" in notes

@@ -11,6 +11,7 @@ initialisations are settled at the first step unless a wrapper broadcast them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -67,8 +68,7 @@ class _Init:
 
     row: Row
     event: RandomOpEvent
-    storage: int  # the parameter's storage, as the wrapper's broadcast names it
-    parameter: weakref.ref[Any]  # dead once replaced (tied weights, or sharded into new storage)
+    parameter: weakref.ref[Any]  # dead once replaced (tied weights, or re-made)
 
 
 class _Unchecked(NamedTuple):
@@ -166,6 +166,7 @@ class RankChecker:
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
         self._broadcast_inits: dict[str, int] = {}  # wrapper label -> initialisations it covered
+        self._replaced_inits = 0  # initialisations of parameters gone by the settle point
         self._held: list[Finding] = []  # per-rank seeding seen before the program was known DP
         # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
         # rows and treat no collective as an alignment point, so they cost nothing here; a
@@ -368,8 +369,7 @@ class RankChecker:
         ):
             # A parameter's initialisation (Rule 4): its order is compared now, its state at the
             # settle point, and not at all if a data-parallel wrapper broadcasts the parameter.
-            storage = written.untyped_storage().data_ptr()
-            self._init.append(_Init(row, event, storage, weakref.ref(written)))
+            self._init.append(_Init(row, event, weakref.ref(written)))
             row = row._replace(stream=0)
         self._pending.append(event)
         self._rows.append(row)
@@ -385,19 +385,26 @@ class RankChecker:
         if not wrapper.broadcasts:
             return
         with self._lock:
-            # A parameter that no longer exists (replaced by a tied one before the wrapper was
-            # built) holds nothing replicated once the module's live states are overwritten.
-            kept = [
-                i
-                for i in self._init
-                if i.storage not in wrapper.storages and i.parameter() is not None
-            ]
+            # (A parameter that no longer exists is left to the settle point: _live_inits.)
+            kept = [i for i in self._init if not wrapper.overwrites(i.parameter())]
             covered = len(self._init) - len(kept)
             if covered:  # Rule 4: the broadcast overwrites whatever these drew
                 self._init = kept
                 self._broadcast_inits[wrapper.label] = (
                     self._broadcast_inits.get(wrapper.label, 0) + covered
                 )
+
+    def _live_inits(self, inits: list[_Init]) -> list[_Init]:
+        """Rule 4 at the settle point, after a wrapper broadcast: the initialisation of a
+        parameter that no longer exists (replaced by a tied one, or re-made before the wrapper
+        was built) drew into nothing that trains, and is left out. Garbage is collected first,
+        so that what is left out does not depend on when each rank's collector last ran (P5)."""
+        if not inits or not any(w.broadcasts for w in self._dp.wrappers):
+            return inits
+        gc.collect()
+        kept = [i for i in inits if i.parameter() is not None]
+        self._replaced_inits += len(inits) - len(kept)
+        return kept
 
     def notes(self) -> list[Note]:
         """What the data-parallel rules left uncompared, for the report (``rngcheck show``)."""
@@ -419,6 +426,16 @@ class RankChecker:
             )
             for label, count in self._broadcast_inits.items()
         )
+        if self._replaced_inits:
+            out.append(
+                Note(
+                    kind="not_compared",
+                    message=f"not compared: {self._replaced_inits} parameter initialisation(s) "
+                    "of parameters that no longer existed at the first step (replaced before "
+                    "training, as weight tying does).",
+                    count=self._replaced_inits,
+                )
+            )
         if self._dp.wrappers:
             programs = "; ".join(w.label for w in self._dp.wrappers)
             out.extend(
@@ -466,7 +483,7 @@ class RankChecker:
             # Rule 4's settle point; the per-rank seeding held back (Rule 3) is judged here too,
             # after the initialisations (they come first in the program). P5: every rank gets
             # here at the same round.
-            init, self._init = self._init, []
+            init, self._init = self._live_inits(self._init), []
             held, self._held = self._held, []
             self._init_due, self._init_settled = False, True
         self._round += 1

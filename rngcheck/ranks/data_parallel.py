@@ -52,13 +52,31 @@ class Wrapper:
     kind: str  # "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"
     ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
     broadcasts: bool = False  # overwrote the module's states from one rank when it was built
-    storages: frozenset[int] = field(default=frozenset(), repr=False)  # what it overwrote
+    # What it overwrote, as it was built: the states' ids and the storages they held then.
+    tensors: frozenset[int] = field(default=frozenset(), repr=False)
+    storages: frozenset[int] = field(default=frozenset(), repr=False)
 
     @property
     def label(self) -> str:
         from ..core.findings import format_ranks
 
         return f"{self.kind} over ranks {format_ranks(self.ranks)}"
+
+    def overwrites(self, tensor: torch.Tensor | None) -> bool:
+        """Whether this wrapper's broadcast overwrote ``tensor``, a live parameter, asked while
+        the wrapper is being built: one of the module's states, or one sharing storage with
+        them. By identity first, not by the address its initialisation wrote to: a parameter
+        moved since (``model.to(device)`` before wrapping) holds new storage, and the address
+        it left may be reused by another tensor on one rank and not on another (P5)."""
+        if tensor is None:
+            return False
+        if id(tensor) in self.tensors:
+            return True
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except RuntimeError:  # no storage (meta, fake): nothing was written
+            return False
+        return ptr != 0 and ptr in self.storages
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
@@ -73,17 +91,19 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
-def _storages(module: torch.nn.Module, buffers: bool) -> frozenset[int]:
+def _states(module: torch.nn.Module, buffers: bool) -> dict[str, frozenset[int]]:
+    """The module's parameters (and buffers): their ids and the storages they hold now."""
     tensors: list[torch.Tensor] = list(module.parameters())
     if buffers:
         tensors.extend(module.buffers())
-    out = set()
+    storages = set()
     for t in tensors:
         try:
-            out.add(t.untyped_storage().data_ptr())
+            storages.add(t.untyped_storage().data_ptr())
         except RuntimeError:  # a tensor without storage (meta, fake): nothing was written
             continue
-    return frozenset(out)
+    storages.discard(0)
+    return {"tensors": frozenset(map(id, tensors)), "storages": frozenset(storages)}
 
 
 class _Local(threading.local):
@@ -234,14 +254,8 @@ class DataParallelTracker:
         ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(args.get("process_group"))
         broadcasts = bool(args.get("init_sync", True))
         module = args["module"]
-        return Wrapper(
-            kind="DistributedDataParallel",
-            ranks=ranks,
-            broadcasts=broadcasts,
-            storages=_storages(module, args.get("broadcast_buffers") is not False)
-            if broadcasts
-            else frozenset(),
-        )
+        states = _states(module, args.get("broadcast_buffers") is not False) if broadcasts else {}
+        return Wrapper(kind="DistributedDataParallel", ranks=ranks, broadcasts=broadcasts, **states)
 
     @staticmethod
     def _fsdp1_wrapper(fsdp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
@@ -255,12 +269,9 @@ class DataParallelTracker:
         else:
             ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(group)
         broadcasts = bool(args.get("sync_module_states", False))
-        return Wrapper(
-            kind="FullyShardedDataParallel",
-            ranks=ranks,
-            broadcasts=broadcasts,
-            storages=_storages(args["module"], True) if broadcasts else frozenset(),
-        )
+        states = _states(args["module"], True) if broadcasts else {}
+        kind = "FullyShardedDataParallel"
+        return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, **states)
 
     @staticmethod
     def _fsdp2_wrapper(module: Any) -> Wrapper | None:
