@@ -228,6 +228,74 @@ def fully_shard_same_seed_dropout(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
+def _deepspeed() -> Any:
+    import deepspeed
+
+    # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce for inference when its
+    # communication starts (a minute of C++ on a fresh machine); training never calls it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _deepspeed_steps(
+    deepspeed: Any, zero_init: bool, stage: int, extra_on_rank0: bool = False
+) -> Any:
+    """DeepSpeed's engine (ZeRO ``stage``; with ``zero_init`` the model is made under
+    ``deepspeed.zero.Init``), seed + rank before the model, per-rank data: three steps."""
+    import contextlib
+
+    rank = torch.distributed.get_rank()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    torch.manual_seed(42 + rank)
+    zero = deepspeed.zero
+    with zero.Init(config_dict_or_path=config) if zero_init else contextlib.nullcontext():
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
+        )
+    params = model.parameters()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    data = torch.Generator().manual_seed(100 + rank)
+    line = None
+    for _ in range(3):
+        engine.backward(engine(torch.randn(4, 8, generator=data)).square().mean())
+        engine.step()
+        if extra_on_rank0 and rank == 0:
+            line = sys._getframe().f_lineno + 1
+            torch.rand(1)  # a sample for rank 0's logs, from the default generator
+        torch.randperm(8)  # the next shuffle, replicated: each rank must draw the same order
+    return engine, line
+
+
+def deepspeed_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    deepspeed = _deepspeed()  # imported before the mode starts, as a script's imports are
+    with _mode() as mode:
+        engine, _ = _deepspeed_steps(deepspeed, zero_init=False, stage=1)
+        weights = [p.detach().clone() for p in engine.module.parameters()]
+    return _summary(mode, digest=float(sum(w.double().sum() for w in weights)))
+
+
+def deepspeed_zero3_init_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    deepspeed = _deepspeed()
+    with _mode() as mode:
+        engine, _ = _deepspeed_steps(deepspeed, zero_init=True, stage=3)
+        params = list(engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            digest = float(sum(p.detach().double().sum() for p in params))
+    return _summary(mode, digest=digest)
+
+
+def deepspeed_rank0_draws_before_a_replicated_shuffle(rank: int, world: int) -> dict[str, Any]:
+    deepspeed = _deepspeed()
+    with _mode() as mode:
+        _, line = _deepspeed_steps(deepspeed, zero_init=False, stage=0, extra_on_rank0=True)
+    return _summary(mode, line=line)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests (parent process): one launch of 2 ranks runs every scenario
 
@@ -242,6 +310,9 @@ SCENARIOS = [
     "fsdp_seed_plus_rank",
     "fully_shard_seed_plus_rank",
     "fully_shard_same_seed_dropout",
+    "deepspeed_seed_plus_rank",
+    "deepspeed_zero3_init_seed_plus_rank",
+    "deepspeed_rank0_draws_before_a_replicated_shuffle",
     "hf_ddp_generate_on_rank0",
 ]
 
@@ -328,6 +399,39 @@ def test_parameters_initialised_per_rank_and_never_broadcast_are_found(
         if wrapper:
             assert f"{wrapper} does not broadcast module states" in f["cause"]
         assert "torch.nn.Sequential(torch.nn.Linear(8, 8)" in " ".join(f["lines"])
+
+
+@pytest.mark.parametrize(
+    ("name", "broadcast_by"),
+    [
+        ("deepspeed_seed_plus_rank", "DeepSpeedEngine over ranks 0-1"),
+        ("deepspeed_zero3_init_seed_plus_rank", "deepspeed.zero.Init over ranks 0-1"),
+    ],
+)
+def test_deepspeed_is_data_parallel_and_broadcasts_the_model(
+    two: Any, name: str, broadcast_by: str
+) -> None:
+    """seed + rank before the model and per-rank data: correct under DeepSpeed, whose engine
+    (or zero.Init, for ZeRO-3) broadcasts the parameters from one rank."""
+    results = _results(two, name)
+    for rank, r in results.items():
+        assert not r["findings"], (rank, r["findings"])
+        text = "\n".join(r["notes"])
+        assert "in the forward and backward of DeepSpeedEngine over ranks 0-1" in text
+        assert f"4 parameter initialisation(s); {broadcast_by} broadcast" in text, r["notes"]
+        assert "Generator #1 (cpu) is seeded differently on each rank" in text
+    assert len({r["digest"] for r in results.values()}) == 1
+
+
+def test_deepspeed_training_still_has_its_replicated_draws_compared(two: Any) -> None:
+    results = _results(two, "deepspeed_rank0_draws_before_a_replicated_shuffle")
+    line = results[0]["line"]
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
+        assert "rank 0 ran an extra random op, aten.rand" in f["cause"], f["cause"]
+        assert f["site"] == f"test_data_parallel.py:{line}", f
 
 
 def test_one_rank_sampling_with_generate_is_found_at_that_call(two: Any) -> None:

@@ -8,7 +8,8 @@ active, this tracker wraps the wrappers' ``forward`` (at the class: existing ins
 and, for the ones that broadcast module states at construction (DDP unless ``init_sync=False``;
 FSDP with ``sync_module_states=True``), their ``__init__``, so the rank checker learns *before* the
 broadcast which parameters it will overwrite. ``fully_shard`` broadcasts nothing: its group is
-learnt from the first forward.
+learnt from the first forward. DeepSpeed's engine is learnt when it broadcasts the model (its group
+is made inside its construction), and ``deepspeed.zero.Init`` from each parameter's broadcast.
 
 A wrapper is known by its group's global ranks. The scope of a random op is the innermost wrapper
 whose forward is running on this thread, or, during backward, the wrapper whose forward ran last
@@ -24,6 +25,7 @@ Known limitations:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 _DDP_MODULE = "torch.nn.parallel.distributed"
 _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP2_MODULE = "torch.distributed.fsdp"
+_DEEPSPEED_MODULE = "deepspeed.runtime.engine"
+_ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,6 +173,17 @@ class DataParallelTracker:
         if _FSDP2_MODULE not in self._patched and fsdp2 is not None:
             self._patched.add(_FSDP2_MODULE)
             self._wrap_forward(fsdp2, self._fsdp2_wrapper)
+        engine = getattr(sys.modules.get(_DEEPSPEED_MODULE), "DeepSpeedEngine", None)
+        if _DEEPSPEED_MODULE not in self._patched and engine is not None:
+            self._patched.add(_DEEPSPEED_MODULE)
+            self._wrap_broadcast(engine, "_broadcast_model", self._deepspeed_wrapper)
+            self._wrap_forward(
+                engine, lambda m: self._known.get(m) or self._deepspeed_wrapper(m, False)
+            )
+        zero_init = getattr(sys.modules.get(_ZERO_INIT_MODULE), "Init", None)
+        if _ZERO_INIT_MODULE not in self._patched and zero_init is not None:
+            self._patched.add(_ZERO_INIT_MODULE)
+            self._wrap_zero_init(zero_init)
 
     def uninstall(self) -> None:
         saved, self._saved = self._saved, []
@@ -205,6 +220,43 @@ class DataParallelTracker:
             original(module, *args, **kwargs)
 
         self._patch(cls, "__init__", __init__)
+
+    def _wrap_broadcast(self, cls: Any, name: str, describe: Callable[[Any, bool], Wrapper]):
+        """A wrapper whose group is known only inside its construction (DeepSpeed's engine): it
+        is registered when it starts broadcasting the module's states, before the collectives."""
+        original = getattr(cls, name)
+        tracker = self
+
+        @functools.wraps(original)
+        def broadcast(module: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                tracker._register(module, describe(module, True))
+            except Exception:  # noqa: BLE001 - never break the user's construction
+                log.debug("rngcheck could not describe a %s", cls.__name__, exc_info=True)
+            return original(module, *args, **kwargs)
+
+        self._patch(cls, name, broadcast)
+
+    def _wrap_zero_init(self, cls: Any) -> None:
+        """``deepspeed.zero.Init`` (ZeRO-3): each parameter is broadcast from one rank of its
+        group as it is made, then partitioned; the engine built later broadcasts nothing."""
+        original = cls._zero_init_param
+        tracker = self
+
+        @functools.wraps(original)
+        def _zero_init_param(init: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(init, param, *args, **kwargs)
+            try:
+                ranks = _group_ranks(init.get_partition_dp_group(param))
+                program = Wrapper(kind="deepspeed.zero.Init", ranks=ranks, broadcasts=True)
+                if program not in tracker.wrappers:
+                    tracker.wrappers.append(program)
+                tracker._on_wrapper(dataclasses.replace(program, tensors=frozenset({id(param)})))
+            except Exception:  # noqa: BLE001 - never break the user's construction
+                log.debug("rngcheck could not read a zero.Init broadcast", exc_info=True)
+            return out
+
+        self._patch(cls, "_zero_init_param", _zero_init_param)
 
     def _wrap_forward(self, cls: Any, describe: Callable[[Any], Wrapper | None]) -> None:
         # FSDPModule has no forward of its own: the original is the next class's in the MRO.
@@ -272,6 +324,16 @@ class DataParallelTracker:
         states = _states(args["module"], True) if broadcasts else {}
         kind = "FullyShardedDataParallel"
         return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, **states)
+
+    @staticmethod
+    def _deepspeed_wrapper(engine: Any, broadcasting: bool) -> Wrapper:
+        # The ranks that see different data: data parallel, and sequence parallel (Ulysses)
+        # inside it; the engine broadcasts the module's parameters over that group unless
+        # ZeRO-3 made them partitioned at creation (zero.Init), when it never calls this.
+        ranks = _group_ranks(getattr(engine, "seq_data_parallel_group", None))
+        broadcasts = broadcasting and getattr(engine, "dist_backend", None) is not None
+        states = _states(engine.module, False) if broadcasts else {}
+        return Wrapper(kind="DeepSpeedEngine", ranks=ranks, broadcasts=broadcasts, **states)
 
     @staticmethod
     def _fsdp2_wrapper(module: Any) -> Wrapper | None:
