@@ -139,6 +139,18 @@ def ddp_seed_plus_rank_model_moved_before_wrapping(rank: int, world: int) -> dic
     return _summary(mode, digest=float(sum(w.sum() for w in weights)))
 
 
+def ddp_built_with_keywords(rank: int, world: int) -> dict[str, Any]:
+    """DistributedDataParallel(module=...), as PyTorch Lightning builds it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with _mode() as mode:
+        torch.manual_seed(42 + rank)
+        model = DDP(module=torch.nn.Linear(8, 2), broadcast_buffers=False)
+        model(torch.ones(4, 8)).sum().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return _summary(mode)
+
+
 def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -305,6 +317,7 @@ SCENARIOS = [
     "hf_ddp_seed_plus_rank",
     "ddp_dropout_masks_differ",
     "ddp_seed_plus_rank_model_moved_before_wrapping",
+    "ddp_built_with_keywords",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -340,6 +353,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "hf_ddp_seed_plus_rank",
         "ddp_dropout_masks_differ",
         "ddp_seed_plus_rank_model_moved_before_wrapping",
+        "ddp_built_with_keywords",
         "fully_shard_same_seed_dropout",
     ],
 )

@@ -207,7 +207,7 @@ class DataParallelTracker:
         tracker = self
 
         @functools.wraps(original)
-        def __init__(module: Any, *args: Any, **kwargs: Any) -> None:
+        def __init__(module: Any, /, *args: Any, **kwargs: Any) -> None:
             try:
                 bound = signature.bind(module, *args, **kwargs)
                 bound.apply_defaults()
@@ -228,7 +228,7 @@ class DataParallelTracker:
         tracker = self
 
         @functools.wraps(original)
-        def broadcast(module: Any, *args: Any, **kwargs: Any) -> Any:
+        def broadcast(module: Any, /, *args: Any, **kwargs: Any) -> Any:
             try:
                 tracker._register(module, describe(module, True))
             except Exception:  # noqa: BLE001 - never break the user's construction
@@ -244,7 +244,7 @@ class DataParallelTracker:
         tracker = self
 
         @functools.wraps(original)
-        def _zero_init_param(init: Any, param: Any, *args: Any, **kwargs: Any) -> Any:
+        def _zero_init_param(init: Any, param: Any, /, *args: Any, **kwargs: Any) -> Any:
             out = original(init, param, *args, **kwargs)
             try:
                 ranks = _group_ranks(init.get_partition_dp_group(param))
@@ -263,7 +263,7 @@ class DataParallelTracker:
         own = vars(cls).get("forward")
         tracker = self
 
-        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+        def forward(module: Any, /, *args: Any, **kwargs: Any) -> Any:
             wrapper = tracker._known.get(module)
             if wrapper is None:
                 try:
