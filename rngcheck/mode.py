@@ -646,6 +646,14 @@ class RNGConsistencyMode:
             )
         r.notes = notes
 
+    def _move_outputs(self, report_path: str | None, trace: str | None) -> None:
+        """Write this rank's report and trace elsewhere (RNGCHECK=1 learns a process's rank at
+        bind when its launcher set no RANK). The trace streams to a temporary file until exit,
+        so nothing written so far moves."""
+        self.config = replace(self.config, report_path=report_path, trace=trace)
+        if self._trace is not None and trace is not None:
+            self._trace.move(trace)
+
     def _trace_meta(self) -> dict[str, Any]:
         meta = dict(self._report.meta)
         meta.setdefault("rank", self._report.rank)

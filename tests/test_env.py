@@ -327,6 +327,85 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     assert divergence is not None and (divergence.index, divergence.differs) == (0, "state before")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _assert_two_ranks_checked(r: subprocess.CompletedProcess[str], reports: Path) -> None:
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("training finished") == 2, r.stdout[-2000:]
+    assert "random op(s) checked on rank 0 of 2, no findings" in r.stderr, r.stderr[-3000:]
+    assert sorted(os.listdir(reports)) == ["rank0.json", "rank1.json"]
+    saved = [Report.load(reports / f"rank{i}.json") for i in range(2)]
+    assert [(rep.rank, rep.world_size, rep.ok) for rep in saved] == [(0, 2, True), (1, 2, True)]
+    assert saved[0].meta["run_id"] == saved[1].meta["run_id"]  # one run for `rngcheck show`
+    assert all(rep.random_ops > 0 for rep in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["accelerate", "deepspeed"])
+def test_ranks_started_by_other_launchers_are_checked(tmp_path: Path, launcher: str) -> None:
+    # `accelerate launch` and DeepSpeed's `deepspeed` are launchers, as torchrun is. Were the
+    # launcher checked, its ranks (its children) would not be: a run with nothing checked, and
+    # the launcher's empty report written over rank 0's at its exit.
+    bindir = Path(sys.executable).parent
+    script = str(SCRIPTS / "train_clean.py")
+    port = str(_free_port())
+    if launcher == "accelerate":
+        args = [str(bindir / "accelerate"), "launch", "--multi_gpu", "--num_processes=2"]
+        args += ["--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
+        args += [f"--main_process_port={port}", script]
+        extra = {"ACCELERATE_USE_CPU": "1"}
+    else:
+        args = [str(bindir / "deepspeed"), "--num_accelerators=2", f"--master_port={port}", script]
+        extra = {}
+    r = _run(args, RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path), **extra)
+    _assert_two_ranks_checked(r, tmp_path)
+
+
+@pytest.mark.slow
+def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_path: Path):
+    # Lightning's DDP starts rank 1 as a child of rank 0 (the process the user started), with
+    # LOCAL_RANK but no RANK: it is another rank of the job, not a helper of rank 0's, and it
+    # takes its rank's report file once the process group names it.
+    from rngcheck.cli import main as cli_main
+
+    script = str(SCRIPTS / "train_lightning.py")
+    runs = {}
+    for on in ("0", "1"):
+        out = tmp_path / f"out{on}"
+        out.mkdir()
+        reports = tmp_path / f"reports{on}"
+        # Its own session: a timeout kills rank 1 too (rank 0's child, not ours).
+        proc = subprocess.Popen(
+            [PYTHON, script, str(out)],
+            env=_env(RNGCHECK=on, RNGCHECK_REPORT=str(reports)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        if on == "1":
+            _assert_two_ranks_checked(r, reports)
+        else:
+            assert r.returncode == 0, r.stderr[-3000:]
+        runs[on] = sorted(p.read_text() for p in out.iterdir())
+    assert runs["1"] == runs["0"]  # bitwise: the checker changed nothing
+    assert cli_main(["show", str(tmp_path / "reports1")]) == 0
+
+
 @pytest.mark.slow
 def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) -> None:
     # Forked workers inherit the running checker; left on, their augmentation ops would be

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .process import OWNER_VAR, run_id
+from .process import OWNER_VAR, RUN_VAR, owner, run_id
 from .variables import EnvSettings
 
 __all__ = ["Activation"]
@@ -79,7 +79,8 @@ class Activation:
             exc_type, exc, tb = sys.exc_info()
             self._exit(exc_type, exc, tb, "rngcheck failed to start")
             raise
-        os.environ[OWNER_VAR] = str(os.getpid())
+        os.environ[OWNER_VAR] = owner(os.environ)
+        os.environ[RUN_VAR] = self.mode.report.meta["run_id"]
         if self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
             self._announce()
         return self
@@ -164,6 +165,10 @@ class Activation:
             return
         report = self.mode.report
         report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
+        if (report.rank, report.world_size) != (self.settings.rank, self.settings.world_size):
+            # A launcher that sets no RANK (Lightning starts ranks 1 to N-1 with LOCAL_RANK
+            # only): the files take the rank the process group gives, not rank 0's names.
+            self.mode._move_outputs(*self.settings.paths(report.rank, report.world_size))
         report.meta["process_group"] = {
             "backend": str(dist.get_backend()),
             "world_size": report.world_size,
@@ -171,6 +176,10 @@ class Activation:
         }
         self.mode.bind_distributed()
         self.bound = True
+        # Its place in the job is known now (a launcher that starts the other ranks from this
+        # one, like Lightning's, sets it after start-up): a child started from here on at the
+        # same place is this rank's helper, not another rank.
+        os.environ[OWNER_VAR] = owner(os.environ)
         self._announce()
         # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
         # new findings are saved at that step.

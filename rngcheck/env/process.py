@@ -1,6 +1,8 @@
-"""Which process to check: the one running the user's script or module; not launchers, not
-multiprocessing children, not pytest (its plugin checks there), not the CLI, and not a python
-process started by an already checked one (its report would overwrite the parent's)."""
+"""Which process to check: the one running the user's script or module; not launchers (torchrun,
+accelerate, DeepSpeed's, Lightning Fabric's), not multiprocessing children, not pytest (its plugin
+checks there), not the CLI, and not a python process started by an already checked one (its report
+would overwrite the parent's), unless it is another rank of the job (Lightning starts ranks 1 to
+N-1 as children of rank 0)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,40 @@ import socket
 import sys
 from collections.abc import Mapping
 
-__all__ = ["OWNER_VAR", "run_id", "skip_reason"]
+__all__ = ["OWNER_VAR", "RUN_VAR", "owner", "run_id", "skip_reason"]
 
-OWNER_VAR = "_RNGCHECK_ACTIVE_IN"  # set by a checked process; its python children stay unchecked
-_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "pytest", "rngcheck.cli")
-_LAUNCHER_SCRIPTS = ("torchrun", "pytest", "py.test", "rngcheck")
+# "<pid> <place>", set by a checked process: its python children stay unchecked unless the
+# variables launchers set put them at another place in the job (another rank).
+OWNER_VAR = "_RNGCHECK_ACTIVE_IN"
+RUN_VAR = "_RNGCHECK_RUN_ID"  # set by a checked process: the ranks it starts are of its run
+_PLACE_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+_LAUNCHER_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "accelerate.commands",
+    "deepspeed.launcher",
+    "pytest",
+    "rngcheck.cli",
+)
+_LAUNCHER_SCRIPTS = (
+    "torchrun",
+    "accelerate",
+    "accelerate-launch",
+    "deepspeed",
+    "ds",
+    "fabric",
+    "lightning",
+    "pytest",
+    "py.test",
+    "rngcheck",
+)
 
 
 def run_id(environ: Mapping[str, str]) -> str:
     """The same on every rank of one job, different between jobs: what `rngcheck show` groups by."""
+    inherited = environ.get(RUN_VAR)
+    if inherited:  # started by a checked rank (Lightning starts ranks 1 to N-1 from rank 0)
+        return inherited
     host = socket.gethostname()
     run = environ.get("TORCHELASTIC_RUN_ID", "")
     if run and run != "none":
@@ -50,11 +77,24 @@ def _launched_as() -> tuple[str, str]:
     return os.path.basename(sys.argv[0]) if sys.argv else "", module
 
 
+def _place(environ: Mapping[str, str]) -> str:
+    """Where the launcher's variables put this process in a distributed job ("" outside one)."""
+    if "RANK" not in environ and "LOCAL_RANK" not in environ:
+        return ""
+    return ",".join(environ.get(name, "") for name in _PLACE_VARS)
+
+
+def owner(environ: Mapping[str, str]) -> str:
+    """The value of OWNER_VAR for this process, checked, at the place ``environ`` gives."""
+    return f"{os.getpid()} {_place(environ)}"
+
+
 def skip_reason(environ: Mapping[str, str]) -> str:
     """Why this process is not the one to check (empty: check it)."""
-    owner = environ.get(OWNER_VAR)
-    if owner and owner != str(os.getpid()):
-        return f"a child of the checked process {owner}"
+    pid, _, place = environ.get(OWNER_VAR, "").partition(" ")
+    mine = _place(environ)
+    if pid and pid != str(os.getpid()) and not (mine and mine != place):
+        return f"a child of the checked process {pid}"
     script, module = _launched_as()
     if module.startswith(_LAUNCHER_MODULES) or script in _LAUNCHER_SCRIPTS:
         return f"a launcher or tool ({module or script})"

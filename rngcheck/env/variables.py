@@ -240,6 +240,19 @@ class EnvSettings:
     report_template: str | None = None  # as given, before the rank is filled in
     trace_template: str | None = None
 
+    def paths(self, rank: int, world_size: int) -> tuple[str | None, str | None]:
+        """The report's and the trace's paths for ``rank`` of ``world_size``."""
+        return _paths(self.report_template, self.trace_template, rank, world_size)
+
+
+def _paths(
+    report: str | None, trace: str | None, rank: int, world_size: int
+) -> tuple[str | None, str | None]:
+    return (
+        _rank_path(report, rank, world_size, "rank{rank}.json") if report else None,
+        _rank_path(trace, rank, world_size, "rank{rank}.trace.jsonl") if trace else None,
+    )
+
 
 def _rank_path(template: str, rank: int, world_size: int, default_name: str) -> str:
     """``{rank}`` filled in; a directory gets ``default_name``; a plain file of a multi-rank run
@@ -283,6 +296,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
     world_size = _env_int(environ, "WORLD_SIZE", 1)
     report = values.get("RNGCHECK_REPORT")
     trace = values.get("RNGCHECK_TRACE")
+    report_path, trace_path = _paths(report, trace, rank, world_size)
     kwargs: dict[str, Any] = {
         "on_finding": values.get("RNGCHECK_ON_FINDING", "raise"),
         "sync": values.get("RNGCHECK_SYNC", "step"),
@@ -296,8 +310,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "level": values.get("RNGCHECK_LEVEL", "op"),
         "sample_every": values.get("RNGCHECK_SAMPLE_EVERY", 100),
         "sample_first": values.get("RNGCHECK_SAMPLE_FIRST", 2),
-        "report_path": _rank_path(report, rank, world_size, "rank{rank}.json") if report else None,
-        "trace": _rank_path(trace, rank, world_size, "rank{rank}.trace.jsonl") if trace else None,
+        "report_path": report_path,
+        "trace": trace_path,
     }
     return EnvSettings(
         enabled=enabled,

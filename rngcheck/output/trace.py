@@ -205,6 +205,12 @@ class TraceFeed:
                 self._recorder.abort()
             self._recorder, self._error = None, e
 
+    def move(self, path: str) -> None:
+        """Put the finished trace at ``path`` instead (it streams to a temporary file until)."""
+        self._path = path
+        if self._recorder is not None:
+            self._recorder.path = path
+
     def stream(self) -> TraceRecorder | list[RandomOpEvent]:
         """The recorder holding the stream so far (handed over), or an empty stream.
 
