@@ -206,7 +206,7 @@ class TraceFeed:
             self._recorder, self._error = None, e
 
     def move(self, path: str) -> None:
-        """Put the finished trace at ``path`` instead (it streams to a temporary file until)."""
+        """Put the finished trace at ``path`` instead (it streams to a temporary file till then)."""
         self._path = path
         if self._recorder is not None:
             self._recorder.path = path
