@@ -53,7 +53,9 @@ _ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
 class Wrapper:
     """One data-parallel wrapper: its kind, its group, and what it broadcast at construction."""
 
-    kind: str  # "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"
+    # "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "DeepSpeedEngine",
+    # "deepspeed.zero.Init"
+    kind: str
     ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
     broadcasts: bool = False  # overwrote the module's states from one rank when it was built
     # What it overwrote, as it was built: the states' ids and the storages they held then.
