@@ -118,12 +118,13 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
     from .output.render import print_finding
     from .output.runs import load_runs, report_files
 
-    files = report_files(paths)
+    found = report_files(paths)
     try:
-        runs = load_runs(files)
+        runs = load_runs(found.files, skip_foreign=found.in_directories)
     except ValueError:  # ReportError, and UnicodeDecodeError from a binary file
-        for path in files:
-            _check_report(path)  # one plain line for the first file that is not a report
+        for path in found.files:
+            if path not in found.in_directories:
+                _check_report(path)  # one plain line for the first file that is not a report
         raise
     code = EXIT_OK
     for run in runs:

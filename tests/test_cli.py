@@ -133,6 +133,34 @@ def test_show_keeps_runs_apart(tmp_path: Path) -> None:
     assert out.index("== run run-b") < out.index(TITLE)  # the finding is under its own run
 
 
+def test_show_reads_a_run_directory_that_also_holds_the_trainings_json(
+    tmp_path: Path, capsys
+) -> None:
+    # RNGCHECK_REPORT=$OUTPUT_DIR: the training writes its own JSON beside the rank reports.
+    for rank in (0, 1):
+        _save_report(
+            tmp_path / f"rank{rank}.json", _buggy_step, rank=rank, world_size=2, run_id="job-9"
+        )
+    alone = _cli("show", str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 4, "log_history": []}')
+    (tmp_path / "losses.json").write_text("[4.2, 4.1]")
+    (tmp_path / "notes.json").write_text("step 4: ok")
+    (tmp_path / "blob.json").write_bytes(b"\xff\xfe\x00")
+    assert _cli("show", str(tmp_path)) == alone
+    assert alone[0] == 1 and "rngcheck: 2 rank report(s) (ranks 0-1 of 2)" in alone[1]
+    # Named on its own, a file must still be a report; a directory must hold one.
+    assert _cli("show", str(tmp_path / "config.json")) == (2, "")
+    assert "config.json: not an rngcheck report" in capsys.readouterr().err
+    for name in ("rank0.json", "rank1.json"):
+        (tmp_path / name).unlink()
+    assert _cli("show", str(tmp_path)) == (2, "")
+    assert capsys.readouterr().err == (
+        f"rngcheck: {tmp_path}: no rngcheck report among its 5 *.json file(s); show reads the "
+        "reports written by report_path= or RNGCHECK_REPORT\n"
+    )
+
+
 def test_show_says_in_one_line_what_it_cannot_read(tmp_path: Path, capsys) -> None:
     _save_trace(tmp_path / "t.jsonl")
     report = _save_report(tmp_path / "r.json", _training)

@@ -4,6 +4,7 @@ the ranks that recorded it (what ``rngcheck show`` draws)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,26 +12,60 @@ from typing import Any
 
 from .report import Report
 
-__all__ = ["MergedFinding", "ReportError", "Run", "is_trace", "load_runs", "report_files"]
+__all__ = [
+    "MergedFinding",
+    "ReportError",
+    "ReportFiles",
+    "Run",
+    "is_trace",
+    "load_runs",
+    "report_files",
+]
 
 
 class ReportError(ValueError):
     """A path that is not a readable rngcheck report (the message says which, and why)."""
 
 
-def report_files(paths: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class ReportFiles:
+    """The files ``rngcheck show`` reads: those named, and the ``*.json`` of the directories
+    named. A directory's file that is not an rngcheck report (a run directory also holds the
+    training's own JSON: Hugging Face's ``config.json``, ``trainer_state.json``) is skipped; a
+    file named on its own must be one."""
+
+    files: list[str]
+    in_directories: frozenset[str] = frozenset()
+
+
+def report_files(paths: Sequence[str]) -> ReportFiles:
     files: list[str] = []
+    in_directories: set[str] = set()
     for path in paths:
         if os.path.isdir(path):
             found = sorted(glob.glob(os.path.join(path, "*.json")))
             if not found:
                 raise ReportError(f"{path}: no *.json reports in this directory")
             files.extend(found)
+            in_directories.update(found)
         elif os.path.exists(path):
             files.append(path)
         else:
             raise ReportError(f"{path}: no such file or directory")
-    return files
+    return ReportFiles(files, frozenset(in_directories))
+
+
+def _foreign(path: str) -> bool:
+    """Whether ``path`` holds something other than an rngcheck report: not text, not JSON, or
+    JSON without rngcheck's ``format`` field (a report of another format version is a report)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return True
+    except OSError:
+        return False  # unreadable: loading it names the error
+    return not isinstance(data, dict) or "format" not in data
 
 
 @dataclass
@@ -73,9 +108,16 @@ class Run:
             entry_n[1].add(report.rank)
 
 
-def load_runs(files: Sequence[str]) -> list[Run]:
+def load_runs(files: Sequence[str], skip_foreign: frozenset[str] = frozenset()) -> list[Run]:
+    """The runs of the reports in ``files``, merged; a file of ``skip_foreign`` (a directory's)
+    that is not an rngcheck report is left out. Raises ReportError when another file cannot be
+    read as one, or when a directory held no report at all."""
     loaded = []
+    skipped = []
     for path in files:
+        if path in skip_foreign and _foreign(path):
+            skipped.append(path)
+            continue
         try:
             loaded.append((Report.load(path), path))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -86,6 +128,12 @@ def load_runs(files: Sequence[str]) -> list[Run]:
                 else (f"not a readable rngcheck report{hint}: {e}")
             )
             raise ReportError(f"{path}: {what}") from None
+    if not loaded:
+        where = sorted({os.path.dirname(p) or "." for p in skipped})
+        raise ReportError(
+            f"{', '.join(where)}: no rngcheck report among its {len(skipped)} *.json file(s); "
+            "show reads the reports written by report_path= or RNGCHECK_REPORT"
+        )
     runs: dict[str, Run] = {}
     for report, path in sorted(loaded, key=lambda rp: rp[0].rank):  # lowest rank speaks first
         run_id = str(report.meta.get("run_id") or path)
