@@ -151,6 +151,61 @@ def ddp_built_with_keywords(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
+def _ddp_variable_batches(data: torch.Generator | None, extra_draw: bool = False) -> None:
+    """DDP over a model with dropout; each rank's batches have their own lengths (drawn from
+    ``data``, or from the default generator when None), as a per-rank random crop makes them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = torch.distributed.get_rank()
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    shuffle = torch.Generator().manual_seed(5)  # replicated: the same order on every rank
+    for step in range(3):
+        length = 4 + (rank + step) % 3  # this rank's sequence length
+        start = torch.randint(0, 16 - length + 1, (1,), generator=data)  # a crop of it
+        if extra_draw and rank == 1:
+            torch.rand(1, generator=data)  # rank 1's augmentation draws once more
+        x = torch.arange(16.0).repeat(8, 1).T[int(start) : int(start) + length]
+        torch.randperm(4, generator=shuffle)  # compared: it must agree
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def ddp_per_rank_generator_variable_lengths(rank: int, world: int) -> dict[str, Any]:
+    """A per-rank data generator whose draws have each rank's own shapes: a per-rank stream."""
+    with _mode() as mode:
+        torch.manual_seed(0)
+        _ddp_variable_batches(torch.Generator().manual_seed(100 + rank))
+    return _summary(mode)
+
+
+def ddp_per_rank_generator_extra_draw(rank: int, world: int) -> dict[str, Any]:
+    """A per-rank data generator that draws more on one rank, before a replicated draw that
+    agrees: the per-rank stream leaves the comparison, the replicated draw stays in it."""
+    with _mode() as mode:
+        torch.manual_seed(0)
+        _ddp_variable_batches(torch.Generator().manual_seed(100 + rank), extra_draw=True)
+    return _summary(mode)
+
+
+def ddp_seed_plus_rank_crops_on_the_default_generator(rank: int, world: int) -> dict[str, Any]:
+    """seed + rank, then random crops of per-rank lengths from the default generator."""
+    with _mode() as mode:
+        torch.manual_seed(42 + rank)
+        _ddp_variable_batches(None)
+    return _summary(mode)
+
+
+def ddp_replicated_generator_used_with_per_rank_lengths(rank: int, world: int) -> dict[str, Any]:
+    """The bug: a generator seeded alike on every rank (so meant to agree) draws each rank's own
+    shapes; from there its states differ."""
+    with _mode() as mode:
+        torch.manual_seed(0)
+        _ddp_variable_batches(torch.Generator().manual_seed(100))
+    return _summary(mode)
+
+
 def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -271,6 +326,8 @@ def _deepspeed_steps(
         )
     params = model.parameters()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    if extra_on_rank0:
+        torch.manual_seed(0)  # seeded alike again: the default generator is replicated from here
     data = torch.Generator().manual_seed(100 + rank)
     line = None
     for _ in range(3):
@@ -318,6 +375,10 @@ SCENARIOS = [
     "ddp_dropout_masks_differ",
     "ddp_seed_plus_rank_model_moved_before_wrapping",
     "ddp_built_with_keywords",
+    "ddp_per_rank_generator_variable_lengths",
+    "ddp_per_rank_generator_extra_draw",
+    "ddp_seed_plus_rank_crops_on_the_default_generator",
+    "ddp_replicated_generator_used_with_per_rank_lengths",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -354,6 +415,9 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_dropout_masks_differ",
         "ddp_seed_plus_rank_model_moved_before_wrapping",
         "ddp_built_with_keywords",
+        "ddp_per_rank_generator_variable_lengths",
+        "ddp_per_rank_generator_extra_draw",
+        "ddp_seed_plus_rank_crops_on_the_default_generator",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -361,6 +425,42 @@ def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
     for rank, r in _results(two, name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "stream"),
+    [
+        ("ddp_per_rank_generator_variable_lengths", "Generator #1 (cpu)"),
+        ("ddp_per_rank_generator_extra_draw", "Generator #1 (cpu)"),
+        ("ddp_seed_plus_rank_crops_on_the_default_generator", "default cpu"),
+    ],
+)
+def test_per_rank_streams_may_draw_per_rank_shapes_and_amounts(
+    two: Any, name: str, stream: str
+) -> None:
+    """A per-rank stream serves per-rank data: its draws may have each rank's shapes, and one
+    rank may draw more; the ranks' ops differ there, not only their states."""
+    for rank, r in _results(two, name).items():
+        text = "\n".join(r["notes"])
+        assert f"not compared: {stream} is seeded differently on each rank" in text, (rank, text)
+
+
+def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:
+    for rank, r in _results(two, "ddp_replicated_generator_used_with_per_rank_lengths").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randint.low_generator"
+        assert "# a crop of it" in " ".join(f["lines"]), f["lines"]
+        site = f["site"]
+        assert f["message"].startswith(
+            f"the ranks ran aten.randint.low_generator at {site} with different arguments"
+        ), f["message"]
+        # Step 1: rank 0 crops 4 of 16 (high=13), rank 1 crops 5 (high=12).
+        assert "(low=0, high=13, size=[1], device=cpu on rank 0; low=0, high=12" in f["cause"]
+        assert (
+            "drawn from Generator #1 (cpu" in f["cause"]
+            and "seeded alike on every rank" in (f["cause"])
+        ), f["cause"]
 
 
 def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:

@@ -49,6 +49,19 @@ def test_localise_extra_op_then_state_then_collision() -> None:
     assert moved.kind == "points"
 
 
+def test_localise_names_what_differed_first_in_program_order() -> None:
+    points = {0: Point.EXIT, 1: Point.EXIT}
+    a, b = _row("bernoulli", 1, 2), _row("rand", 2, 3)
+    # States part at op 0 (a generator seeded per rank), the ops at op 1: the state is first.
+    first = localise({0: [a, b], 1: [_row("bernoulli", 5, 6), a]}, points)
+    assert (first.kind, first.index, first.stream) == ("state", 0, 7)
+    # The ops part before any state does: the flow, with the policy its ops share (or none).
+    flow = localise({0: [a, b], 1: [a, a]}, points)
+    assert (flow.kind, flow.index, flow.policy) == ("flow", 1, 1)
+    declared = localise({0: [a, b], 1: [a, _row("randint", 2, 3, policy=3)]}, points)
+    assert (declared.kind, declared.index, declared.policy) == ("flow", 1, 0)
+
+
 def _event(seq: int, op: str, site: tuple[str, int], *, torch_frame: str = "") -> dict:
     frames = [Frame(filename=f"/app/{site[0]}", lineno=site[1], name="train")]
     if torch_frame:

@@ -12,7 +12,7 @@ from ..core.events import RandomOpEvent, SeedCall
 from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
 from .localise import Spot, extra_ops
-from .protocol import POLICY_CODE, Point, Row
+from .protocol import POLICY_CODE, Point, Row, gen_key
 
 __all__ = [
     "Detail",
@@ -198,6 +198,20 @@ def _flow_finding(
         elif not ev.generator.is_default:
             short = ev.generator.label.split(" (")[0]  # "Generator #1": named in full above
             cause += f"; this advanced {short} on those ranks only"
+    elif _same_call_site(sides):
+        lead_event = sides[0].event
+        assert lead_event is not None
+        cause = (
+            f"the ranks ran {lead_event.op} at {lead_event.site} with different arguments ("
+            + "; ".join(
+                f"{', '.join(s.event.args)} on {_ranks_word(s.ranks)}" for s in sides if s.event
+            )
+            + f"): arguments that depend on the rank or on its data, drawn from "
+            f"{lead_event.generator.label}"
+            + (", seeded alike on every rank" if _seeded_alike(sides) else "")
+            + ", so its states part here and every later draw from it differs across ranks. "
+            "Draw per-rank work from a generator seeded per rank"
+        )
     else:
         cause = "the ranks ran different random ops here: " + "; ".join(
             f"{_ranks_word(s.ranks)} ran {s.event.op} at {s.event.site}"
@@ -215,9 +229,11 @@ def _flow_finding(
     return Finding(
         kind=FindingKind.RANK_DIVERGENCE,
         message=(
-            f"the ranks ran different random ops: {_describe(ref)} but {_describe(odd)} "
-            f"(random op #{lead.seq} on {_ranks_word(who.ranks)})"
-        ),
+            f"the ranks ran {lead.op} at {lead.site} with different arguments"
+            if extra_side is None and _same_call_site(sides)
+            else f"the ranks ran different random ops: {_describe(ref)} but {_describe(odd)}"
+        )
+        + f" (random op #{lead.seq} on {_ranks_word(who.ranks)})",
         op=lead.op,
         cause=cause,
         differs="op",
@@ -227,6 +243,19 @@ def _flow_finding(
         sides=sides,
         seq=lead.seq,
     )
+
+
+def _same_call_site(sides: Sequence[Side]) -> bool:
+    """Every side ran the same op from the same line (so only its arguments differ)."""
+    events = [s.event for s in sides]
+    return all(e is not None for e in events) and (
+        len({(e.op, e.site) for e in events if e is not None}) == 1
+    )
+
+
+def _seeded_alike(sides: Sequence[Side]) -> bool:
+    seeds = {s.event.seed if s.event is not None else None for s in sides}
+    return len(seeds) == 1 and None not in seeds
 
 
 def _describe(side: Side) -> str:
@@ -469,8 +498,17 @@ def _collision_finding(
 def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
     """When the ranks' states differ at ``spot`` because the generator was seeded differently on
     each rank (its initial seeds differ: ``torch.manual_seed(seed + rank)``, a per-rank
-    ``torch.Generator``), that generator (one rank's event of it) and why, in words; else None."""
-    if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
+    ``torch.Generator``), that generator (one rank's event of it) and why, in words; else None.
+
+    Also when the ranks ran different ops there, all from that generator: a per-rank stream
+    serves per-rank data (a crop drawn for each rank's own image size, more draws for a longer
+    batch), and its states already differ from its first op."""
+    if spot.kind not in ("state", "flow") or spot.policy != POLICY_CODE["same"]:
+        return None
+    if spot.kind == "flow" and (
+        any(d.event is None for d in details.values())
+        or len({gen_key(d.event) for d in details.values() if d.event is not None}) > 1
+    ):
         return None
     events = {r: d.event for r, d in details.items()}
     evs = {r: e for r, e in events.items() if e is not None}

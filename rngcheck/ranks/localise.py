@@ -17,7 +17,7 @@ class Spot:
     kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
     index: int  # position in the windows (flow, points) or in the stream (state, collision)
     stream: int = 0
-    policy: int = 0  # the stream's POLICY_CODE (state, collision)
+    policy: int = 0  # the stream's POLICY_CODE (state, collision; flow: the ops' if they share one)
 
     def index_for(self, rank: int, window: list[Row]) -> int:
         """The position in ``window`` of this rank's op at the spot (past the end: none)."""
@@ -28,20 +28,27 @@ class Spot:
 
 
 def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | None:
-    """The first place the ranks' windows disagree: different ops (control flow), then, stream by
-    stream, states ("same") or shared states ("differ"), then different exchange points. None:
-    they agree (two streams only shared a hashed value)."""
+    """The first place the ranks' windows disagree, in the order the program ran: different ops
+    (control flow), or, stream by stream, states ("same") or shared states ("differ"), whichever
+    comes first (a state that differs before the ops part, as a generator seeded per rank does, is
+    the earlier difference); then different exchange points. None: they agree (two streams only
+    shared a hashed value)."""
     length = max(len(w) for w in windows.values())
-    for i in range(length):
-        if len({w[i].structure if i < len(w) else None for w in windows.values()}) > 1:
-            return Spot("flow", i)
+    flow = next(
+        (
+            i
+            for i in range(length)
+            if len({w[i].structure if i < len(w) else None for w in windows.values()}) > 1
+        ),
+        None,
+    )
     streams: dict[int, dict[int, list[Row]]] = {}
     for rank, w in windows.items():
         for r in w:
             if r.stream:
                 streams.setdefault(r.stream, {}).setdefault(rank, []).append(r)
     first: Spot | None = None
-    first_pos = length
+    first_pos = length if flow is None else flow  # (the windows line up before the ops part)
     for stream, by_rank in streams.items():
         if len(by_rank) < 2:
             continue
@@ -62,6 +69,9 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
                 break
     if first is not None:
         return first
+    if flow is not None:
+        policies = {w[flow].policy if flow < len(w) else 0 for w in windows.values()}
+        return Spot("flow", flow, policy=policies.pop() if len(policies) == 1 else 0)
     if len(set(points.values())) > 1:
         return Spot("points", length)
     return None
