@@ -595,12 +595,14 @@ def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(ranks: int) -
     assert f"random op(s) checked{where}, no findings" in r.stderr, r.stderr[-2000:]
 
 
-def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
+def _torchrun_script(name: str, out: Any, **env: str) -> dict[str, Any]:
+    """``tests/scripts/<name>`` on 2 ranks under torchrun, writing into ``out``: its stderr and
+    each rank's ``result<RANK>.json``."""
     import os
     import subprocess
     from pathlib import Path
 
-    script = str(Path(_HERE).parent / "scripts" / "train_hf_trainer.py")
+    script = str(Path(_HERE).parent / "scripts" / name)
     torchrun = str(Path(sys.executable).parent / "torchrun")
     out.mkdir()
     r = subprocess.run(
@@ -615,6 +617,27 @@ def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
     assert r.stdout.count("training finished") == 2
     results = {rank: (out / f"result{rank}.json").read_text() for rank in (0, 1)}
     return {"stderr": r.stderr, "results": results}
+
+
+def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
+    return _torchrun_script("train_hf_trainer.py", out, **env)
+
+
+def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:
+    """FSDP imported inside the script, after torch.distributed is up (as accelerate's prepare()
+    does), with per-rank batch lengths under dropout: patched as its import ends, so its
+    forward's random ops are known as data-parallel from the first step."""
+    script = "train_fsdp_late_import.py"
+    plain = _torchrun_script(script, tmp_path / "plain", RNGCHECK="0")
+    reports = tmp_path / "reports"
+    checked = _torchrun_script(script, tmp_path / "checked", RNGCHECK_REPORT=str(reports))
+    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
+        "stderr"
+    ][-3000:]
+    assert checked["results"] == plain["results"]
+    report = json.loads((reports / "rank0.json").read_text())
+    notes = "\n".join(n["message"] for n in report["notes"])
+    assert "in the forward and backward of FullyShardedDataParallel over ranks 0-1" in notes
 
 
 @pytest.mark.parametrize("level", ["op", "step"])

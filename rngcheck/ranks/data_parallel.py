@@ -16,11 +16,13 @@ whose forward is running on this thread, or, during backward, the wrapper whose 
 (until the next optimizer step): checkpoint recomputes and gradient-time randomness of a
 data-parallel model belong to it too.
 
+A wrapper's module imported while the mode is active is patched as its import ends (a post-import
+hook), so a wrapper is always built and run patched.
+
 Known limitations:
-    Wrappers imported after the mode started are patched at the next ``refresh()`` (the mode
-    refreshes at ``bind_distributed``, optimizer steps and collectives); one constructed before that
-    is still recognised at its first forward, but a broadcast it made is not known. The DDP-based
-    composable ``replicate`` calls DDP's internals directly and is not recognised.
+    A wrapper constructed before the mode started is recognised at its first forward, but a
+    broadcast it made is not known. The DDP-based composable ``replicate`` calls DDP's internals
+    directly and is not recognised.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 
 import torch
 
+from ..core.imports import watch_imports
+
 __all__ = ["DataParallelTracker", "Wrapper"]
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,7 @@ _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP2_MODULE = "torch.distributed.fsdp"
 _DEEPSPEED_MODULE = "deepspeed.runtime.engine"
 _ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
+_WATCHED = (_DDP_MODULE, _FSDP1_MODULE, _FSDP2_MODULE, _DEEPSPEED_MODULE, _ZERO_INIT_MODULE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +136,7 @@ class DataParallelTracker:
         self._known: weakref.WeakKeyDictionary[Any, Wrapper] = weakref.WeakKeyDictionary()
         self._saved: list[tuple[Any, str, Any, bool]] = []  # owner, name, original, had_own
         self._patched: set[str] = set()
+        self._unwatch: Callable[[], None] | None = None
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
@@ -158,6 +164,9 @@ class DataParallelTracker:
 
     def install(self) -> None:
         self.refresh()
+        # A wrapper's module imported later (accelerate imports FSDP inside prepare()) is
+        # patched as its import ends, before the program can build or run a wrapper.
+        self._unwatch = watch_imports(_WATCHED, lambda _: self.refresh())
 
     def refresh(self) -> None:
         """Patch the wrapper classes of modules imported since the last call (cheap when none)."""
@@ -188,6 +197,9 @@ class DataParallelTracker:
             self._wrap_zero_init(zero_init)
 
     def uninstall(self) -> None:
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
         saved, self._saved = self._saved, []
         for owner, name, original, had_own in reversed(saved):
             if had_own:
