@@ -111,6 +111,33 @@ def test_a_bug_in_every_layer_and_step_is_one_finding_naming_the_layer(family, l
     assert (finding.count, finding.first_step, finding.last_step) == (8, 1, 4)
 
 
+def test_a_layer_wrapped_by_torchs_checkpoint_wrapper_is_named_as_the_model_names_it():
+    """torch's apply_activation_checkpointing (FSDP's recipe) holds each layer as
+    ``_checkpoint_wrapped_module``; the finding names the layer as the user's model does."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    torch.manual_seed(0)
+    model = _hf.build("llama")
+    layer_type = type(model.model.layers[0])
+    wrap = functools.partial(
+        checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+    )
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, layer_type)
+    )
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        _hf.train(model, "llama", steps=1)
+    (finding,) = mode.report.findings
+    assert " of model.layers.1 (LlamaDecoderLayer) at " in finding.region, finding.region
+    assert "preserve_rng_state=False" in finding.cause
+
+
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 @ATTN
 @REENTRANT

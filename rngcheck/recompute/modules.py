@@ -15,6 +15,17 @@ __all__ = ["ModuleNames"]
 
 _MAX_UNWRAP = 8  # partials and bound methods around the module (HF: partial(super().__call__))
 _MAX_FRAMES = 64  # frames walked up to the outermost module of a forward
+# Attributes by which torch's wrappers hold the module they wrap (checkpoint_wrapper, FSDP1,
+# torch.compile): left out of a layer's name, which is then the one the user's model gives it.
+_WRAPPED = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def _user_name(name: str) -> str:
+    """``model.layers.1._checkpoint_wrapped_module`` -> ``model.layers.1``."""
+    parts = name.split(".")
+    if _WRAPPED.isdisjoint(parts):
+        return name
+    return ".".join(p for p in parts if p not in _WRAPPED)
 
 
 class ModuleNames:
@@ -74,7 +85,7 @@ class ModuleNames:
             for name, m in root.named_modules():
                 if m is module:
                     found = True
-                self._names.setdefault(m, name)
+                self._names.setdefault(m, _user_name(name))
             self._roots.add(root)
             if found:
                 return
