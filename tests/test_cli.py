@@ -152,6 +152,8 @@ def test_show_reads_a_run_directory_that_also_holds_the_trainings_json(
     # Named on its own, a file must still be a report; a directory must hold one.
     assert _cli("show", str(tmp_path / "config.json")) == (2, "")
     assert "config.json: not an rngcheck report" in capsys.readouterr().err
+    assert _cli("show", str(tmp_path), str(tmp_path / "config.json")) == (2, "")
+    assert "config.json: not an rngcheck report" in capsys.readouterr().err
     for name in ("rank0.json", "rank1.json"):
         (tmp_path / name).unlink()
     assert _cli("show", str(tmp_path)) == (2, "")

@@ -4,7 +4,9 @@ imports of real modules (written to a temporary directory), through Python's imp
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.machinery
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterator
@@ -110,3 +112,46 @@ def test_a_missing_module_is_still_a_plain_import_error(package: str) -> None:
             importlib.import_module(f"{package}.absent")
     finally:
         stop()
+
+
+def test_the_specs_loader_answers_as_the_modules_own_before_the_import(package: str) -> None:
+    """runpy, pkgutil and importlib.resources ask a spec's loader before importing."""
+    stop = watch_imports([f"{package}.engine"], lambda name: None)
+    try:
+        spec = importlib.util.find_spec(f"{package}.engine")
+        assert spec is not None
+        assert spec.loader.get_filename(spec.name).endswith("engine.py")
+        assert spec.loader.is_package(spec.name) is False
+        assert "class Engine" in spec.loader.get_source(spec.name)
+    finally:
+        stop()
+
+
+class _AskingAgain(importlib.abc.MetaPathFinder):
+    """Another post-import hook, of the kind that asks the import system again from its own
+    find_spec (wrapt's does)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            return importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+
+
+def test_a_finder_that_asks_again_does_not_run_the_callback_twice(package: str) -> None:
+    seen: list[str] = []
+    stop = watch_imports([f"{package}.engine"], seen.append)
+    other = _AskingAgain(f"{package}.engine")
+    sys.meta_path.insert(1, other)  # behind ours: ours asks it, it asks everyone again
+    try:
+        importlib.import_module(f"{package}.engine")
+    finally:
+        sys.meta_path.remove(other)
+        stop()
+    assert seen == [f"{package}.engine"]

@@ -6,7 +6,9 @@ as accelerate does).
 One finder, first on ``sys.meta_path`` while anything is watched, answers for the watched names
 only: it asks the other finders for the module's spec and puts a loader in front of theirs that
 runs the module, gives the module its own loader back, then calls the callbacks. Every other
-import costs one set lookup.
+import costs one set lookup. (A finder another package puts in front of it later, and that
+answers for a watched name itself, goes around it: the wrappers are then patched at the mode's
+next refresh.)
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class _Loader(importlib.abc.Loader):
     def create_module(self, spec: Any) -> Any:
         return self.loader.create_module(spec)
 
+    def __getattr__(self, name: str) -> Any:
+        # The rest of the module's loader (get_filename, get_code, is_package, get_source,
+        # get_resource_reader), for who asks the spec's loader before the import (runpy).
+        return getattr(self.loader, name)
+
     def exec_module(self, module: Any) -> None:
         # The module keeps its own loader (importlib.resources and inspect read it).
         if getattr(module, "__loader__", None) in (None, self):
@@ -43,12 +50,13 @@ class _Loader(importlib.abc.Loader):
         if spec is not None and spec.loader is self:
             spec.loader = self.loader
         self.loader.exec_module(module)
-        self._finder.imported(module.__name__)
+        self._finder.imported(spec.name if spec is not None else module.__name__)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._asking = threading.local()  # the names this thread is finding now
         self._watches: dict[int, tuple[frozenset[str], Callback]] = {}
         self._names: frozenset[str] = frozenset()
         self._next = 0
@@ -56,17 +64,24 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname not in self._names:
             return None
-        for finder in list(sys.meta_path):  # the other finders' answer, as import would ask them
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _Loader(spec.loader, self)
-            return spec  # (a namespace package, an old-style loader: as it is)
-        return None
+        asking: set[str] = self._asking.__dict__.setdefault("names", set())
+        if fullname in asking:  # another finder asked the import system again: answer once
+            return None
+        asking.add(fullname)
+        try:
+            for finder in list(sys.meta_path):  # the others' answer, as import would ask them
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is None:
+                    continue
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _Loader(spec.loader, self)
+                return spec  # (a namespace package, an old-style loader: as it is)
+            return None
+        finally:
+            asking.discard(fullname)
 
     def imported(self, name: str) -> None:
         with self._lock:

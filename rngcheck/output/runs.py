@@ -52,7 +52,8 @@ def report_files(paths: Sequence[str]) -> ReportFiles:
             files.append(path)
         else:
             raise ReportError(f"{path}: no such file or directory")
-    return ReportFiles(files, frozenset(in_directories))
+    named = {p for p in paths if not os.path.isdir(p)}  # a file named on its own is strict
+    return ReportFiles(files, frozenset(in_directories - named))
 
 
 def _foreign(path: str) -> bool:

@@ -158,8 +158,7 @@ class RankChecker:
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
         # initialisations are settled at the first step, unless a wrapper broadcast them.
-        self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)
-        self._dp.install()
+        self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
         self._init: list[_Init] = []
@@ -181,6 +180,7 @@ class RankChecker:
             self._digests = StepDigests(self._side)
         handle.identify(rank, world)
         self.publish()
+        self._dp.install()  # last: nothing after it can fail and leave its patches behind
 
     # -- inputs from the mode ----------------------------------------------------------------
 

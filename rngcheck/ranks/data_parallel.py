@@ -137,6 +137,8 @@ class DataParallelTracker:
         self._saved: list[tuple[Any, str, Any, bool]] = []  # owner, name, original, had_own
         self._patched: set[str] = set()
         self._unwatch: Callable[[], None] | None = None
+        self._patching = threading.RLock()  # refresh() and uninstall(), one at a time
+        self._closed = True  # until install()
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
@@ -163,13 +165,21 @@ class DataParallelTracker:
     # -- patches ---------------------------------------------------------------------------------
 
     def install(self) -> None:
+        self._closed = False
         self.refresh()
         # A wrapper's module imported later (accelerate imports FSDP inside prepare()) is
         # patched as its import ends, before the program can build or run a wrapper.
         self._unwatch = watch_imports(_WATCHED, lambda _: self.refresh())
 
     def refresh(self) -> None:
-        """Patch the wrapper classes of modules imported since the last call (cheap when none)."""
+        """Patch the wrapper classes of modules imported since the last call (cheap when none).
+        Called from the program's thread and from an import on any thread: one at a time, and
+        never after uninstall()."""
+        with self._patching:
+            if not self._closed:
+                self._refresh()
+
+    def _refresh(self) -> None:
         if _DDP_MODULE not in self._patched and _DDP_MODULE in sys.modules:
             self._patched.add(_DDP_MODULE)
             cls = sys.modules[_DDP_MODULE].DistributedDataParallel
@@ -200,13 +210,15 @@ class DataParallelTracker:
         unwatch, self._unwatch = self._unwatch, None
         if unwatch is not None:
             unwatch()
-        saved, self._saved = self._saved, []
-        for owner, name, original, had_own in reversed(saved):
-            if had_own:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)
-        self._patched.clear()
+        with self._patching:
+            self._closed = True
+            saved, self._saved = self._saved, []
+            for owner, name, original, had_own in reversed(saved):
+                if had_own:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+            self._patched.clear()
         self._local.stack.clear()
         self.backward = None
 
