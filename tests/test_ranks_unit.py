@@ -156,3 +156,59 @@ def test_rank_finding_renders_as_a_panel_with_a_side_that_ran_nothing() -> None:
     text = console.export_text()
     assert "RNG state diverged across ranks" in text and "reached collective c10d.barrier" in text
     assert "reference (rank 1)" in text and "divergent (rank 0)" in text
+
+
+def _seeded(seed: int, args: tuple[str, ...], *, number: int = 1, before: int = 11) -> dict:
+    """A randint on a user generator seeded with ``seed`` (its number: which generator)."""
+    return RandomOpEvent(
+        seq=3,
+        op="aten.randint.low_generator",
+        generator=GeneratorId(kind="user", device="cpu", number=number, origin="data.py:20"),
+        device="cpu",
+        args=args,
+        before=before,
+        after=before + 1,
+        phase=Phase.FORWARD,
+        stack=Stack(frames=(Frame(filename="/app/data.py", lineno=31, name="crop"),)),
+        seed=seed,
+    ).to_dict()
+
+
+def test_a_per_rank_stream_may_draw_per_rank_arguments_but_ranks_seeded_alike_must_agree() -> None:
+    from rngcheck.ranks.findings import per_rank_seeding
+    from rngcheck.ranks.localise import Spot
+
+    flow = Spot("flow", 0, policy=1)
+    crops = {r: _d(_seeded(100 + r, (f"high={13 - r}",)), "x") for r in range(2)}
+    seeded = per_rank_seeding(flow, crops)
+    assert seeded is not None and "seeded differently on each rank" in seeded[1]
+    # seed + data-parallel rank under tensor parallelism: ranks 0-1 share a seed, 2-3 another.
+    # Ranks 0 and 1 drew different arguments from one seed: seeding does not explain that.
+    shared = {r: _d(_seeded(42 + r // 2, (f"high={13 - r}",)), "x") for r in range(4)}
+    assert per_rank_seeding(flow, shared) is None
+    agreeing = {r: _d(_seeded(42 + r // 2, (f"high={13 - r // 2}",)), "x") for r in range(4)}
+    assert per_rank_seeding(flow, agreeing) is not None
+    state = Spot("state", 0, stream=7, policy=1)
+    apart = {r: _d(_seeded(42 + r // 2, (), before=10 + r), "x") for r in range(4)}
+    assert per_rank_seeding(state, apart) is None
+    declared = Spot("flow", 0, policy=3)  # an expect(...) block or a DTensor mesh: as declared
+    assert per_rank_seeding(declared, crops) is None
+
+
+def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() -> None:
+    row = {r: _row(f"randint{r}", 11, 12) for r in range(2)}
+    windows = {0: [row[0]], 1: [row[1]]}
+    spot = localise(windows, dict.fromkeys(windows, Point.EXIT))
+    alike = {r: _d(_seeded(100, (f"high={13 - r}",)), "x") for r in range(2)}
+    f = build_finding(spot, windows, alike, (0, 1))
+    assert f.message.startswith(
+        "the ranks ran aten.randint.low_generator at data.py:31 with different arguments"
+    )
+    assert "(high=13 on rank 0; high=12 on rank 1)" in f.cause
+    assert "seeded alike on every rank, so its states part here" in f.cause
+    # The same line, the same arguments, but each rank's own generator: not "arguments".
+    others = {r: _d(_seeded(100, ("high=13",), number=1 + r), "x") for r in range(2)}
+    f = build_finding(spot, windows, others, (0, 1))
+    assert "with different arguments" not in f.message + f.cause
+    assert "rank 0 ran aten.randint.low_generator on Generator #1" in f.cause, f.cause
+    assert "rank 1 ran aten.randint.low_generator on Generator #2" in f.cause

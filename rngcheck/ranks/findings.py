@@ -4,7 +4,7 @@ position), so every rank builds the same finding and one of them draws it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -208,13 +208,17 @@ def _flow_finding(
             )
             + f"): arguments that depend on the rank or on its data, drawn from "
             f"{lead_event.generator.label}"
-            + (", seeded alike on every rank" if _seeded_alike(sides) else "")
-            + ", so its states part here and every later draw from it differs across ranks. "
-            "Draw per-rank work from a generator seeded per rank"
+            + (
+                ", seeded alike on every rank, so its states part here and every later draw "
+                "from it differs across ranks. Draw per-rank work from a generator seeded per rank"
+                if _seeded_alike(events.values())
+                else ""
+            )
         )
     else:
         cause = "the ranks ran different random ops here: " + "; ".join(
-            f"{_ranks_word(s.ranks)} ran {s.event.op} at {s.event.site}"
+            f"{_ranks_word(s.ranks)} ran {s.event.op} on {s.event.generator.label} at "
+            f"{s.event.site}"
             if s.event
             else f"{_ranks_word(s.ranks)} {s.note}"
             for s in sides
@@ -246,15 +250,17 @@ def _flow_finding(
 
 
 def _same_call_site(sides: Sequence[Side]) -> bool:
-    """Every side ran the same op from the same line (so only its arguments differ)."""
+    """Every side drew from the same generator by the same op from the same line, with other
+    arguments."""
     events = [s.event for s in sides]
-    return all(e is not None for e in events) and (
-        len({(e.op, e.site) for e in events if e is not None}) == 1
-    )
+    if any(e is None for e in events):
+        return False
+    calls = {(e.op, e.site, gen_key(e)) for e in events if e is not None}
+    return len(calls) == 1 and len({e.args for e in events if e is not None}) > 1
 
 
-def _seeded_alike(sides: Sequence[Side]) -> bool:
-    seeds = {s.event.seed if s.event is not None else None for s in sides}
+def _seeded_alike(events: Iterable[RandomOpEvent | None]) -> bool:
+    seeds = {e.seed if e is not None else None for e in events}
     return len(seeds) == 1 and None not in seeds
 
 
@@ -515,8 +521,13 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     seeds = {r: e.seed for r, e in evs.items()}
     if len(evs) < 2 or None in seeds.values() or len(set(seeds.values())) < 2:
         return None
-    first = evs[min(evs)]
     by_seed = _groups(seeds)
+    # Ranks seeded alike (seed + data-parallel rank under tensor parallelism) must still agree
+    # there: if they do not, seeding does not explain the divergence.
+    same = (lambda e: (e.op, e.args)) if spot.kind == "flow" else (lambda e: (e.before, e.after))
+    if any(len({same(evs[r]) for r in g}) > 1 for g in by_seed):
+        return None
+    first = evs[min(evs)]
     how = "; ".join(f"{seeds[g[0]]} on {_ranks_word(g)}" for g in by_seed[:4])
     calls = {r: _seed_text(details[r], e) for r, e in evs.items()}
     sites = "; ".join(f"{_ranks_word((r,))}: {t}" for r, t in sorted(calls.items()) if t)
