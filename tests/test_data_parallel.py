@@ -206,6 +206,56 @@ def ddp_replicated_generator_used_with_per_rank_lengths(rank: int, world: int) -
     return _summary(mode)
 
 
+def _ddp_padded_batches_epochs(rank: int, epochs: int = 2) -> torch.nn.Module:
+    """DDP over a model with dropout, fed by a DataLoader whose batches each rank pads to its
+    own longest sequence (dynamic padding, as Hugging Face's collators do): the forward's
+    dropout draws a different amount on each rank, and every epoch's iter(DataLoader) then draws
+    its base seed from the default generator."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lengths = [[3, 5, 4, 6], [7, 4, 5, 3]][rank % 2]  # this rank's shard of the corpus
+    data = [torch.ones(n, 8) for n in lengths]
+
+    def pad(batch: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.rnn.pad_sequence(batch, batch_first=True)
+
+    loader = torch.utils.data.DataLoader(data, batch_size=2, collate_fn=pad)
+    for _ in range(epochs):
+        for x in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def ddp_dynamic_padding_under_dropout(rank: int, world: int) -> dict[str, Any]:
+    with _mode() as mode:
+        torch.manual_seed(0)
+        _ddp_padded_batches_epochs(rank)
+    return _summary(mode)
+
+
+def ddp_dynamic_padding_then_reseeded_and_one_rank_samples(rank: int, world: int) -> dict[str, Any]:
+    """After the forward moved the default generator apart, every rank reseeds it alike (its
+    states are compared again); then rank 1 draws a sample for its logs under expect('ignore')
+    from it, and the next replicated draw differs: a finding."""
+    import rngcheck
+
+    with _mode() as mode:
+        torch.manual_seed(0)
+        _ddp_padded_batches_epochs(rank)
+        torch.manual_seed(1)
+        if rank == 1:
+            with rngcheck.expect("ignore"):
+                torch.rand(1)  # a sample for rank 1's logs
+        line = sys._getframe().f_lineno + 1
+        torch.randperm(8)  # the next replicated shuffle
+        torch.distributed.barrier()
+    return _summary(mode, line=line)
+
+
 def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -379,6 +429,8 @@ SCENARIOS = [
     "ddp_per_rank_generator_extra_draw",
     "ddp_seed_plus_rank_crops_on_the_default_generator",
     "ddp_replicated_generator_used_with_per_rank_lengths",
+    "ddp_dynamic_padding_under_dropout",
+    "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -418,6 +470,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_per_rank_generator_variable_lengths",
         "ddp_per_rank_generator_extra_draw",
         "ddp_seed_plus_rank_crops_on_the_default_generator",
+        "ddp_dynamic_padding_under_dropout",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -443,6 +496,31 @@ def test_per_rank_streams_may_draw_per_rank_shapes_and_amounts(
     for rank, r in _results(two, name).items():
         text = "\n".join(r["notes"])
         assert f"not compared: {stream} is seeded differently on each rank" in text, (rank, text)
+
+
+def test_a_generator_moved_apart_by_the_data_parallel_forward_is_said_and_not_compared(
+    two: Any,
+) -> None:
+    """Dynamic padding under dropout: the ranks draw different amounts in DDP's forward, so the
+    default generator differs across ranks from there, harmlessly for the DataLoader's base
+    seed; the report says so, and the generator's later ops are compared by what runs."""
+    for rank, r in _results(two, "ddp_dynamic_padding_under_dropout").items():
+        text = "\n".join(r["notes"])
+        assert (
+            "not compared by state: default cpu after the ranks drew different amounts from it "
+            "in the forward and backward of DistributedDataParallel over ranks 0-1"
+        ) in text, (rank, text)
+
+
+def test_a_generator_reseeded_after_that_is_compared_by_state_again(two: Any) -> None:
+    results = _results(two, "ddp_dynamic_padding_then_reseeded_and_one_rank_samples")
+    line = results[0]["line"]
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.default", f
+        assert f["site"] == f"test_data_parallel.py:{line}", f
+        assert "under expect('ignore')" in f["cause"], f["cause"]
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:
@@ -643,8 +721,10 @@ def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:
 @pytest.mark.parametrize("level", ["op", "step"])
 def test_hugging_face_trainer_under_torchrun_is_quiet_and_unchanged(tmp_path: Any, level: str):
     """Hugging Face's Trainer, as people run it: accelerate moves the model to ``cpu:0`` (new
-    storage for every parameter) before DDP. The parameters' initialisations are still known
-    as broadcast; the run trains bitwise as it does without rngcheck."""
+    storage for every parameter) before DDP, and batches are padded to their longest sequence.
+    The parameters' initialisations are still known as broadcast, the default generator the
+    ranks' dropout moved apart is not compared by state at the next epoch's DataLoader; the run
+    trains bitwise as it does without rngcheck."""
     plain = _trainer_run(tmp_path / "plain", RNGCHECK="0")
     checked = _trainer_run(
         tmp_path / "checked", RNGCHECK_LEVEL=level, RNGCHECK_REPORT=str(tmp_path / "reports")
@@ -661,3 +741,7 @@ def test_hugging_face_trainer_under_torchrun_is_quiet_and_unchanged(tmp_path: An
         )
         # GPT-2's output layer, tied to its input embedding after it was initialised.
         assert "of parameters that no longer existed at the first step" in notes
+        # Dynamic padding: the ranks' dropout drew different amounts from the default generator.
+        assert "not compared by state: default cpu after the ranks drew different amounts" in (
+            notes
+        )

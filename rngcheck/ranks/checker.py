@@ -31,9 +31,11 @@ from .board import Board
 from .data_parallel import DataParallelTracker, Wrapper
 from .exchange import PeerLost, SideGroup
 from .findings import (
+    DATA_PARALLEL_WHY,
     Detail,
     Uncompared,
     build_finding,
+    data_parallel_drift,
     init_finding,
     missing_finding,
     per_rank_seeding,
@@ -161,6 +163,11 @@ class RankChecker:
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
+        # Rule 2's wake: a generator the ranks moved apart in a data-parallel forward/backward
+        # (per-rank shapes) is compared by what runs, not by state, until it is reseeded.
+        # gen_key -> (its initial seed on this rank then, the wrapper's label).
+        self._drifted: dict[str, tuple[int | None, str]] = {}
+        self._drift_notes: dict[str, tuple[str, str]] = {}  # gen_key -> (generator, wrapper)
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
@@ -329,7 +336,7 @@ class RankChecker:
         wrapper = self._dp.current(event.phase is not FORWARD)
         if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
             self._dp.count(wrapper)
-            return f"in the data-parallel forward/backward of {wrapper.label}"
+            return f"{DATA_PARALLEL_WHY}{wrapper.label}"
         if gen_key(event) in self._per_rank_keys:  # Rule 3
             return "on a per-rank stream"
         return ""
@@ -352,6 +359,12 @@ class RankChecker:
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
+        drifted = self._drifted.get(gen) if self._drifted else None
+        if drifted is not None:
+            if event.seed == drifted[0]:
+                rebased = True
+            else:  # reseeded since: its states are compared again
+                del self._drifted[gen]
         row = Row(
             structure=text_hash(event.op, gen, *event.args),
             stream=stream,
@@ -425,6 +438,17 @@ class RankChecker:
                 count=count,
             )
             for label, count in self._broadcast_inits.items()
+        )
+        out.extend(
+            Note(
+                kind="not_compared",
+                message=f"not compared by state: {generator} after the ranks drew different "
+                f"amounts from it in the forward and backward of {wrapper} (each rank's own "
+                "batch shapes); its later random ops are compared by what runs, until it is "
+                "reseeded. It differs across ranks from there: draw replicated decisions "
+                "(a shuffle, a sampled task) from a generator of their own.",
+            )
+            for generator, wrapper in self._drift_notes.values()
         )
         if self._replaced_inits:
             out.append(
@@ -624,7 +648,27 @@ class RankChecker:
                 return init_finding(finding, details)
             seeded = per_rank_seeding(spot, details)
             if seeded is None:
-                return finding
+                drifted = {k: label for k, (_, label) in self._drifted.items()}
+                drift = data_parallel_drift(spot, details, drifted)
+                if drift is None:
+                    return finding
+                # Rule 2's wake: from here this generator is compared by what runs, not by
+                # state (until it is reseeded); this round is judged again without its states.
+                event_d, label = drift
+                key = gen_key(event_d)
+                mine_d = details[self.rank].event
+                if key not in self._drifted:
+                    self._drifted[key] = (mine_d.seed if mine_d is not None else None, label)
+                self._drift_notes.setdefault(key, (event_d.generator.label, label))
+                gen = text_hash(key)
+                windows = {
+                    r: [
+                        row._replace(before=0, after=0) if row.generator == gen else row
+                        for row in w
+                    ]
+                    for r, w in windows.items()
+                }
+                continue
             # Rule 3: a per-rank stream. Its rows leave the comparison from here on; the finding
             # is held until the settle point when the program is not known data-parallel yet.
             first, why = seeded

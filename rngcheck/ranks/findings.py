@@ -17,7 +17,9 @@ from .protocol import POLICY_CODE, Point, Row, gen_key
 __all__ = [
     "Detail",
     "Uncompared",
+    "DATA_PARALLEL_WHY",
     "build_finding",
+    "data_parallel_drift",
     "init_finding",
     "missing_finding",
     "per_rank_seeding",
@@ -533,6 +535,41 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     sites = "; ".join(f"{_ranks_word((r,))}: {t}" for r, t in sorted(calls.items()) if t)
     why = f"{first.generator.short_label} is seeded differently on each rank (initial seed {how}"
     return first, why + (f"; {sites})" if sites else ")")
+
+
+DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
+
+
+def data_parallel_drift(
+    spot: Spot, details: dict[int, Detail], drifted: Mapping[str, str]
+) -> tuple[RandomOpEvent, str] | None:
+    """When the ranks' states differ at ``spot`` because the generator drew in a data-parallel
+    forward or backward since its last compared op (Rule 2: each rank drew for its own batch,
+    so per-rank shapes, variable-length batches under dropout, moved it apart), that generator
+    (one rank's event of it) and the wrapper's label; else None. Not when a rank's op follows a
+    seeding call of the user's: that is the divergence to report. ``drifted``: the generators
+    (gen_key -> wrapper label) found so before, whose rows sent before that was known still
+    carry their states."""
+    if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
+        return None
+    evs = {r: d.event for r, d in details.items() if d.event is not None}
+    if len(evs) < 2 or len({gen_key(e) for e in evs.values()}) > 1:
+        return None
+    first = evs[min(evs)]
+    if gen_key(first) in drifted:
+        return first, drifted[gen_key(first)]
+    wrappers = sorted(
+        d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
+        for d in details.values()
+        if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
+    )
+    if not wrappers:
+        return None
+    for e in evs.values():
+        oob = e.out_of_band
+        if oob is not None and (oob.user_calls or (oob.new_seed is not None and not oob.calls)):
+            return None
+    return first, wrappers[0]
 
 
 def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:

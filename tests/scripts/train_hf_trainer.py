@@ -1,7 +1,9 @@
 """A correct training script built on Hugging Face's Trainer, knowing nothing of rngcheck: GPT-2
-from a tiny config with dropout, the Trainer's gradient checkpointing and its usual settings. Under
-torchrun the Trainer (through accelerate) moves the model to its device, ``cpu:0``, which copies
-every parameter into new storage, then wraps it in DDP.
+from a tiny config with dropout, the Trainer's gradient checkpointing and its usual settings, and
+batches padded to their longest sequence. Under torchrun the Trainer (through accelerate) moves the
+model to its device, ``cpu:0``, which copies every parameter into new storage, then wraps it in
+DDP; each rank's dropout draws its own amounts, and each epoch's DataLoader then draws its base
+seed from the default generator they moved apart.
 
 Writes ``result<RANK>.json`` into the directory given as the first argument: a digest of the
 trained parameters and the logged losses, to compare runs with and without rngcheck bitwise.
@@ -22,17 +24,27 @@ STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
 
 
 class Tokens(torch.utils.data.Dataset):
-    """A fixed synthetic corpus (the Trainer's sampler shuffles and shards it)."""
+    """A fixed synthetic corpus of sequences of different lengths (the Trainer's sampler
+    shuffles and shards it; two epochs in four steps)."""
 
-    def __init__(self, n: int = 32, length: int = 12) -> None:
+    def __init__(self, n: int = 16) -> None:
         g = torch.Generator().manual_seed(123)
-        self.ids = torch.randint(0, _hf.VOCAB, (n, length), generator=g)
+        lengths = torch.randint(6, 13, (n,), generator=g).tolist()
+        self.ids = [torch.randint(1, _hf.VOCAB, (k,), generator=g) for k in lengths]
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i]}
+
+
+def pad_to_longest(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dynamic padding, as Hugging Face's collators do: each batch to its own longest sequence,
+    so each rank's batches have their own lengths (and its dropout draws its own amounts)."""
+    ids = torch.nn.utils.rnn.pad_sequence([b["input_ids"] for b in batch], batch_first=True)
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def main() -> None:
@@ -52,7 +64,9 @@ def main() -> None:
     )
     transformers.set_seed(0)
     model = _hf.build("gpt2", dropout=0.1)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Tokens(), data_collator=pad_to_longest
+    )
     trainer.train()
     digest = hashlib.sha256()
     for p in model.parameters():
