@@ -256,6 +256,34 @@ def ddp_dynamic_padding_then_reseeded_and_one_rank_samples(rank: int, world: int
     return _summary(mode, line=line)
 
 
+def ddp_one_rank_reseeds_mid_training(rank: int, world: int) -> dict[str, Any]:
+    """The bug: every rank seeds alike, then rank 1 alone reseeds (a resume that restores its
+    own state): the replicated shuffle after it differs. Not a per-rank stream: the ranks'
+    seeds differ because one rank reseeded alone."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        seed_line = line = None
+        try:
+            for step in range(3):
+                if step == 1 and rank == 1:
+                    seed_line = sys._getframe().f_lineno + 1
+                    torch.manual_seed(99)
+                line = sys._getframe().f_lineno + 1
+                torch.randperm(8)  # the next shuffle, replicated
+                model(torch.ones(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        except rngcheck.RNGCheckError:
+            pass
+    return _summary(mode, line=line, seed_line=seed_line)
+
+
 def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     """A plain model with dropout: every rank seeds per rank, dropout masks differ, DDP syncs."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -431,6 +459,7 @@ SCENARIOS = [
     "ddp_replicated_generator_used_with_per_rank_lengths",
     "ddp_dynamic_padding_under_dropout",
     "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
+    "ddp_one_rank_reseeds_mid_training",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -521,6 +550,18 @@ def test_a_generator_reseeded_after_that_is_compared_by_state_again(two: Any) ->
         assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.default", f
         assert f["site"] == f"test_data_parallel.py:{line}", f
         assert "under expect('ignore')" in f["cause"], f["cause"]
+
+
+def test_one_rank_reseeding_in_a_data_parallel_program_is_found_with_its_call(two: Any) -> None:
+    results = _results(two, "ddp_one_rank_reseeds_mid_training")
+    seed_line = results[1]["seed_line"]
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.default", f
+        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
+        assert "rank 1 changed default cpu outside a random op" in f["cause"], f["cause"]
+        assert f"torch.manual_seed(99) at test_data_parallel.py:{seed_line}" in f["cause"]
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:

@@ -507,6 +507,8 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     """When the ranks' states differ at ``spot`` because the generator was seeded differently on
     each rank (its initial seeds differ: ``torch.manual_seed(seed + rank)``, a per-rank
     ``torch.Generator``), that generator (one rank's event of it) and why, in words; else None.
+    Not when some ranks reseeded it just before (a call the others did not make): that is a
+    divergence, as when one rank restores its own state at a resume.
 
     Also when the ranks ran different ops there, all from that generator: a per-rank stream
     serves per-rank data (a crop drawn for each rank's own image size, more draws for a longer
@@ -523,6 +525,8 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     seeds = {r: e.seed for r, e in evs.items()}
     if len(evs) < 2 or None in seeds.values() or len(set(seeds.values())) < 2:
         return None
+    if 0 < len([e for e in evs.values() if _reseeded_by_user(e)]) < len(evs):
+        return None  # some ranks reseeded it just now, the others did not: that is the bug
     by_seed = _groups(seeds)
     # Ranks seeded alike (seed + data-parallel rank under tensor parallelism) must still agree
     # there: if they do not, seeding does not explain the divergence.
@@ -535,6 +539,13 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     sites = "; ".join(f"{_ranks_word((r,))}: {t}" for r, t in sorted(calls.items()) if t)
     why = f"{first.generator.short_label} is seeded differently on each rank (initial seed {how}"
     return first, why + (f"; {sites})" if sites else ")")
+
+
+def _reseeded_by_user(event: RandomOpEvent) -> bool:
+    """The user's seeding call (or a reseed of a user generator) changed the generator since
+    its last random op."""
+    oob = event.out_of_band
+    return oob is not None and bool(oob.user_calls or (oob.new_seed is not None and not oob.calls))
 
 
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
@@ -565,10 +576,8 @@ def data_parallel_drift(
     )
     if not wrappers:
         return None
-    for e in evs.values():
-        oob = e.out_of_band
-        if oob is not None and (oob.user_calls or (oob.new_seed is not None and not oob.calls)):
-            return None
+    if any(_reseeded_by_user(e) for e in evs.values()):
+        return None
     return first, wrappers[0]
 
 
