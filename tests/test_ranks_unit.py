@@ -212,3 +212,37 @@ def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() 
     assert "with different arguments" not in f.message + f.cause
     assert "rank 0 ran aten.randint.low_generator on Generator #1" in f.cause, f.cause
     assert "rank 1 ran aten.randint.low_generator on Generator #2" in f.cause
+
+
+def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_data() -> None:
+    from rngcheck.core.events import OutOfBandChange, SeedCall
+    from rngcheck.ranks.findings import Uncompared, data_parallel_drift
+    from rngcheck.ranks.localise import Spot
+
+    state = Spot("state", 0, stream=7, policy=1)
+    ddp = "DistributedDataParallel over ranks 0-1"
+    forward = Uncompared(
+        12, "aten.bernoulli_.float", "model.py:9", f"in the data-parallel forward/backward of {ddp}"
+    )
+
+    def detail(before: int, **kw: object) -> Detail:
+        event = RandomOpEvent.from_dict(_seeded(0, (), before=before))
+        oob = kw.pop("oob", None)
+        if oob is not None:
+            from dataclasses import replace
+
+            event = replace(event, out_of_band=oob)
+        return Detail(event=event, point="x", **kw)  # type: ignore[arg-type]
+
+    moved = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=forward)}
+    found = data_parallel_drift(state, moved)
+    assert found is not None and found[1] == ddp
+    assert data_parallel_drift(state, {0: detail(11), 1: detail(15)}) is None  # nothing drew
+    # Known on one rank only (its rows were sent before every rank knew): still one decision.
+    known = {0: detail(11, drifted=ddp), 1: detail(15)}
+    assert data_parallel_drift(state, known) == (known[0].event, ddp)
+    # A rank reseeded it itself just before: that is the divergence, on every rank.
+    site = Stack(frames=(Frame(filename="/app/train.py", lineno=57, name="train"),))
+    call = SeedCall(api="torch.manual_seed", argument="99", stack=site)
+    reseeded = {0: detail(11, drifted=ddp), 1: detail(15, oob=OutOfBandChange(calls=(call,)))}
+    assert data_parallel_drift(state, reseeded) is None

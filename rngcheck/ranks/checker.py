@@ -624,6 +624,9 @@ class RankChecker:
                 else (),
                 uncompared=None if init or unchecked is None else unchecked.public(),
                 wrappers=tuple(w.label for w in self._dp.wrappers),
+                drifted=self._drifted.get(gen_key(event), (None, ""))[1]
+                if event is not None
+                else "",
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
@@ -648,8 +651,7 @@ class RankChecker:
                 return init_finding(finding, details)
             seeded = per_rank_seeding(spot, details)
             if seeded is None:
-                drifted = {k: label for k, (_, label) in self._drifted.items()}
-                drift = data_parallel_drift(spot, details, drifted)
+                drift = data_parallel_drift(spot, details)
                 if drift is None:
                     return finding
                 # Rule 2's wake: from here this generator is compared by what runs, not by

@@ -47,6 +47,9 @@ class Detail:
     seed_calls: tuple[SeedCall, ...] = ()  # the user's seeding calls that reached the generator
     uncompared: Uncompared | None = None
     wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
+    # The wrapper whose forward moved the op's generator apart, if this rank compares that
+    # generator by what runs only (Rule 2's wake); "" when it does not.
+    drifted: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +58,7 @@ class Detail:
             "seed_calls": [c.to_dict() for c in self.seed_calls],
             "uncompared": list(self.uncompared) if self.uncompared is not None else None,
             "wrappers": list(self.wrappers),
+            "drifted": self.drifted,
         }
 
     @classmethod
@@ -66,6 +70,7 @@ class Detail:
             seed_calls=tuple(SeedCall.from_dict(c) for c in data.get("seed_calls", [])),
             uncompared=Uncompared(*uncompared) if uncompared else None,
             wrappers=tuple(data.get("wrappers", ())),
+            drifted=str(data.get("drifted", "")),
         )
 
 
@@ -551,32 +556,31 @@ def _reseeded_by_user(event: RandomOpEvent) -> bool:
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
 
 
-def data_parallel_drift(
-    spot: Spot, details: dict[int, Detail], drifted: Mapping[str, str]
-) -> tuple[RandomOpEvent, str] | None:
+def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
     """When the ranks' states differ at ``spot`` because the generator drew in a data-parallel
     forward or backward since its last compared op (Rule 2: each rank drew for its own batch,
     so per-rank shapes, variable-length batches under dropout, moved it apart), that generator
     (one rank's event of it) and the wrapper's label; else None. Not when a rank's op follows a
-    seeding call of the user's: that is the divergence to report. ``drifted``: the generators
-    (gen_key -> wrapper label) found so before, whose rows sent before that was known still
-    carry their states."""
+    seeding call of the user's: that is the divergence to report. A generator some rank found
+    so before (``Detail.drifted``: its rows sent before every rank knew still carry states) is
+    one too. Decided from the gathered details only, so every rank decides alike (P5)."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
         return None
     evs = {r: d.event for r, d in details.items() if d.event is not None}
     if len(evs) < 2 or len({gen_key(e) for e in evs.values()}) > 1:
         return None
+    if any(_reseeded_by_user(e) for e in evs.values()):
+        return None
     first = evs[min(evs)]
-    if gen_key(first) in drifted:
-        return first, drifted[gen_key(first)]
+    known = sorted(d.drifted for d in details.values() if d.drifted)
+    if known:
+        return first, known[0]
     wrappers = sorted(
         d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
         for d in details.values()
         if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
     )
     if not wrappers:
-        return None
-    if any(_reseeded_by_user(e) for e in evs.values()):
         return None
     return first, wrappers[0]
 
