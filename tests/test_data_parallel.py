@@ -256,6 +256,110 @@ def ddp_dynamic_padding_then_reseeded_and_one_rank_samples(rank: int, world: int
     return _summary(mode, line=line)
 
 
+class _ShuffledSampler(torch.utils.data.Sampler):
+    """A sampler that shuffles with ``torch.randperm``, from the default generator when given none
+    (as transformers' LengthGroupedSampler does under Trainer(group_by_length=True))."""
+
+    LINE = 0
+
+    def __init__(self, n: int, generator: torch.Generator | None = None, seed: int = 0) -> None:
+        self.n, self.generator, self.seed, self.epoch = n, generator, seed, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed + epoch)
+
+    def __iter__(self) -> Any:
+        _ShuffledSampler.LINE = sys._getframe().f_lineno + 1
+        return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+
+def _ddp_sharded_epochs(rank: int, world: int, sampler: Any) -> list[list[int]]:
+    """DDP over a model with dropout, fed through accelerate's BatchSamplerShard (every rank walks
+    the sampler's order and keeps its share of each global batch, as Hugging Face's Trainer
+    does) with dynamic padding: each rank's dropout draws for its own batch shapes. Returns the
+    samples this rank trained on, per epoch."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rngcheck
+
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lengths = [3, 7, 5, 4, 6, 2, 8, 5]
+    data = [(i, torch.ones(n, 8)) for i, n in enumerate(lengths)]
+    shard = BatchSamplerShard(
+        torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False),
+        num_processes=world,
+        process_index=rank,
+    )
+
+    def pad(batch: list[Any]) -> tuple[list[int], torch.Tensor]:
+        seqs = [x for _, x in batch]
+        return [i for i, _ in batch], torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+
+    loader = torch.utils.data.DataLoader(data, batch_sampler=shard, collate_fn=pad)
+    seen: list[list[int]] = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen.append([])
+        try:
+            for ids, x in loader:
+                seen[-1].extend(ids)
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        except rngcheck.RNGCheckError:
+            break
+    return seen
+
+
+def ddp_sharded_order_from_a_generator_moved_apart(rank: int, world: int) -> dict[str, Any]:
+    """The bug (Hugging Face's Trainer with group_by_length under DDP): the sampler's order is
+    drawn from the default generator, which the ranks' dropout moved apart in the first epoch;
+    at the second, each rank keeps its share of a different order."""
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        seen = _ddp_sharded_epochs(rank, world, _ShuffledSampler(8))
+    return _summary(mode, line=_ShuffledSampler.LINE, seen=seen)
+
+
+def ddp_sharded_order_from_a_generator_of_its_own(rank: int, world: int) -> dict[str, Any]:
+    """The same, with the order drawn from a generator seeded alike each epoch: correct."""
+    torch.manual_seed(0)
+    with _mode() as mode:
+        seen = _ddp_sharded_epochs(rank, world, _ShuffledSampler(8, torch.Generator(), seed=7))
+    return _summary(mode, seen=seen)
+
+
+def ddp_distributed_sampler_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
+    """torch's DistributedSampler given a seed that depends on the rank: its shuffles differ, so
+    the ranks' shares overlap."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        model = DDP(torch.nn.Linear(4, 4))
+        data = list(range(8))
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            data, num_replicas=world, rank=rank, seed=rank
+        )
+        seen: list[int] = []
+        try:
+            for x in torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler):
+                seen.extend(x.tolist())
+                model(torch.ones(2, 4)).sum().backward()
+        except rngcheck.RNGCheckError:
+            pass
+    return _summary(mode, seen=seen)
+
+
 def ddp_one_rank_reseeds_mid_training(rank: int, world: int) -> dict[str, Any]:
     """The bug: every rank seeds alike, then rank 1 alone reseeds (a resume that restores its
     own state): the replicated shuffle after it differs. Not a per-rank stream: the ranks'
@@ -460,6 +564,9 @@ SCENARIOS = [
     "ddp_dynamic_padding_under_dropout",
     "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
     "ddp_one_rank_reseeds_mid_training",
+    "ddp_sharded_order_from_a_generator_moved_apart",
+    "ddp_sharded_order_from_a_generator_of_its_own",
+    "ddp_distributed_sampler_seeded_per_rank",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -500,6 +607,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_per_rank_generator_extra_draw",
         "ddp_seed_plus_rank_crops_on_the_default_generator",
         "ddp_dynamic_padding_under_dropout",
+        "ddp_sharded_order_from_a_generator_of_its_own",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -562,6 +670,66 @@ def test_one_rank_reseeding_in_a_data_parallel_program_is_found_with_its_call(tw
         assert f["site"] == f"test_data_parallel.py:{r['line']}", f
         assert "rank 1 changed default cpu outside a random op" in f["cause"], f["cause"]
         assert f"torch.manual_seed(99) at test_data_parallel.py:{seed_line}" in f["cause"]
+
+
+def _partitions(results: dict[int, dict[str, Any]], epoch: int) -> bool:
+    """Whether the ranks' shares of an epoch are a partition of the dataset (8 samples)."""
+    shares = [r["seen"][epoch] for r in results.values()]
+    return sorted(i for s in shares for i in s) == list(range(8))
+
+
+def test_an_order_split_among_the_ranks_drawn_from_a_moved_apart_generator_is_found(
+    two: Any,
+) -> None:
+    """Rule 5: the order accelerate's BatchSamplerShard splits is compared by state even after
+    the data-parallel forward moved its generator apart (Rule 2's wake): the first epoch is
+    quiet (and its shares partition the data), the second stops at its first step."""
+    results = _results(two, "ddp_sharded_order_from_a_generator_moved_apart")
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
+        assert f["cause"].startswith(
+            "accelerate's BatchSamplerShard splits one order of the dataset among the ranks"
+        ), f["cause"]
+        assert (
+            "Why default cpu differs: the ranks drew different amounts from it in the forward "
+            "and backward of DistributedDataParallel over ranks 0-1"
+        ) in f["cause"], f["cause"]
+        assert "use_seedable_sampler" in f["cause"]
+        assert len(r["seen"]) == 2 and len(r["seen"][1]) == 2, r["seen"]  # its first batch
+    assert _partitions(results, 0)
+
+
+def test_an_order_split_among_the_ranks_from_a_shared_generator_is_quiet_and_partitions(
+    two: Any,
+) -> None:
+    results = _results(two, "ddp_sharded_order_from_a_generator_of_its_own")
+    assert _partitions(results, 0) and _partitions(results, 1)
+    notes = "\n".join(results[0]["notes"])
+    assert "not compared by state: default cpu after the ranks drew different amounts" in notes
+
+
+def test_a_distributed_sampler_seeded_per_rank_is_found_not_taken_for_a_per_rank_stream(
+    two: Any,
+) -> None:
+    results = _results(two, "ddp_distributed_sampler_seeded_per_rank")
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+        assert f["cause"].startswith("torch's DistributedSampler splits one order"), f["cause"]
+        assert (
+            "is seeded differently on each rank (initial seed 0 on rank 0, 1 on rank 1)"
+            in (f["cause"])
+        ), f["cause"]
+        assert "use_seedable_sampler" not in f["cause"]
+    # what the finding claims: without it, the ranks' shares of the epoch would overlap
+    import torch.utils.data.distributed as tud
+
+    shares = [list(tud.DistributedSampler(list(range(8)), 2, r, seed=r)) for r in (0, 1)]
+    assert sorted(shares[0] + shares[1]) != list(range(8))
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:
@@ -740,6 +908,43 @@ def _torchrun_script(name: str, out: Any, **env: str) -> dict[str, Any]:
 
 def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
     return _torchrun_script("train_hf_trainer.py", out, **env)
+
+
+def _shares_partition(run: dict[str, Any], epoch: int) -> bool:
+    """Whether the two ranks' samples of ``epoch`` (two steps of 4 each) partition the 16."""
+    seen = [json.loads(run["results"][r])["seen"][epoch * 8 : epoch * 8 + 8] for r in (0, 1)]
+    return sorted(seen[0] + seen[1]) == list(range(16))
+
+
+def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround_quiet(
+    tmp_path: Any,
+) -> None:
+    """Rule 5 on Hugging Face's Trainer with group_by_length: its LengthGroupedSampler shuffles
+    from the default generator, which the ranks' dropout moved apart (dynamic padding), and
+    accelerate's BatchSamplerShard splits that order; the second epoch's shares overlap without
+    rngcheck, the checked run names the shuffle (and trains bitwise the same, recording), and
+    with the workaround the cause gives the shares partition the data and the run is quiet."""
+    env = {"GROUP_BY_LENGTH": "1"}
+    plain = _trainer_run(tmp_path / "plain", RNGCHECK="0", **env)
+    assert _shares_partition(plain, 0) and not _shares_partition(plain, 1)
+    reports = tmp_path / "reports"
+    checked = _trainer_run(
+        tmp_path / "checked", RNGCHECK_ON_FINDING="record", RNGCHECK_REPORT=str(reports), **env
+    )
+    assert checked["results"] == plain["results"]
+    findings = json.loads((reports / "rank0.json").read_text())["findings"]
+    assert [f["kind"] for f in findings] == ["rank_divergence"], findings
+    f = findings[0]
+    assert f["op"] == "aten.randperm.generator", f
+    shuffle = [fr for fr in f["stack"] if fr["name"] == "get_length_grouped_indices"]
+    assert shuffle and shuffle[-1]["filename"].endswith("trainer_pt_utils.py"), f["stack"]
+    assert f["cause"].startswith("accelerate's BatchSamplerShard splits one order"), f["cause"]
+    assert "use_seedable_sampler" in f["cause"]
+    fixed = _trainer_run(tmp_path / "fixed", SEEDABLE_SAMPLER="0", **env)
+    assert "random op(s) checked on rank 0 of 2, no findings" in fixed["stderr"], fixed["stderr"][
+        -3000:
+    ]
+    assert _shares_partition(fixed, 0) and _shares_partition(fixed, 1)
 
 
 def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:

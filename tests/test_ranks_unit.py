@@ -246,3 +246,75 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     call = SeedCall(api="torch.manual_seed", argument="99", stack=site)
     reseeded = {0: detail(11, drifted=ddp), 1: detail(15, oob=OutOfBandChange(calls=(call,)))}
     assert data_parallel_drift(state, reseeded) is None
+
+
+class _Recording(torch.utils.data.Sampler):
+    """A sampler that records, as it shuffles, which sampler splitting an order rngcheck sees."""
+
+    def __init__(self, n: int = 4) -> None:
+        self.n, self.seen = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        from rngcheck.ranks.samplers import sharding_sampler
+
+        self.seen.append(sharding_sampler())
+        return iter(range(self.n))
+
+
+def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_it() -> None:
+    """Rule 5 knows the real wrappers (accelerate's, Lightning's) by the function that walks
+    the inner sampler's order; the same sampler iterated on its own, or by a plain BatchSampler
+    and DataLoader, is not one."""
+    sampler = _Recording()
+    list(torch.utils.data.DataLoader(range(4), sampler=sampler, batch_size=2))
+    list(torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False))
+    assert sampler.seen == ["", ""]
+
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    batches = torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False)
+    list(accelerate.BatchSamplerShard(batches, num_processes=2, process_index=1))
+    assert sampler.seen[-1] == "accelerate's BatchSamplerShard"
+
+    lightning = pytest.importorskip("lightning.fabric.utilities.distributed")
+    list(lightning.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=False))
+    assert sampler.seen[-1] == "Lightning's DistributedSamplerWrapper"
+
+
+def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drift() -> None:
+    """Rules 3 and 2's wake step aside when the divergent op drew an order a sampler splits: the
+    gathered details decide it, so every rank judges alike."""
+    from rngcheck.ranks.findings import data_parallel_drift, per_rank_seeding
+    from rngcheck.ranks.localise import Spot
+
+    def event(rank: int) -> RandomOpEvent:
+        return RandomOpEvent(
+            seq=3,
+            op="aten.randperm.generator",
+            generator=GeneratorId(kind="default", device="cpu"),
+            device="cpu",
+            args=("n=8",),
+            before=10 + rank,
+            after=20 + rank,
+            phase=Phase.FORWARD,
+            stack=Stack(frames=(Frame(filename="/app/data.py", lineno=5, name="shuffle"),)),
+            seed=rank,
+        )
+
+    windows = {0: [_row("randperm", 10, 20)], 1: [_row("randperm", 11, 21)]}
+    spot = localise(windows, {0: Point.EXIT, 1: Point.EXIT})
+    assert isinstance(spot, Spot) and spot.kind == "state"
+    for order in ("", "torch's DistributedSampler"):
+        details = {
+            r: Detail(event=event(r), point="exit", drifted="DDP", order=order) for r in (0, 1)
+        }
+        excused = (per_rank_seeding(spot, details), data_parallel_drift(spot, details))
+        if order:
+            assert excused == (None, None)
+            cause = build_finding(spot, windows, details, (0, 1)).cause
+            assert cause.startswith("torch's DistributedSampler splits one order"), cause
+            assert "Why default cpu differs: the ranks drew different amounts" in cause, cause
+        else:
+            assert excused[0] is not None  # seeded per rank: a per-rank stream

@@ -54,6 +54,7 @@ from .protocol import (
     gen_key,
     text_hash,
 )
+from .samplers import sharding_sampler
 from .step_digest import StepDigests, StepVerdict, slot_of, slot_values
 
 __all__ = ["RankChecker"]
@@ -99,6 +100,7 @@ class _Round:
     events: list[RandomOpEvent]
     first_use: set[int]
     uncompared: dict[int, _Unchecked]
+    orders: dict[int, str]  # pending index -> the sampler splitting the order it drew (Rule 5)
     vec: torch.Tensor
     parts: dict[int, list[Row]]
     stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
@@ -156,10 +158,12 @@ class RankChecker:
         self._first_use: set[int] = set()  # pending indices that are a generator's first op
         self._uncompared: dict[str, _Unchecked] = {}  # generator -> its uncompared ops since
         self._uncompared_before: dict[int, _Unchecked] = {}  # pending index -> those ops
+        self._orders: dict[int, str] = {}  # pending index -> its sharding sampler (Rule 5)
         # Data parallelism, the rules of docs/data-parallel.md (cited as Rule N):
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
-        # initialisations are settled at the first step, unless a wrapper broadcast them.
+        # initialisations are settled at the first step, unless a wrapper broadcast them;
+        # Rule 5, an order a sampler splits among the ranks is compared by state (samplers.py).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
@@ -314,6 +318,7 @@ class RankChecker:
                     events=[],
                     first_use=set(),
                     uncompared={},
+                    orders={},
                     vec=torch.zeros(1, dtype=torch.int64),
                     parts={},
                     stack=None,
@@ -337,7 +342,7 @@ class RankChecker:
         if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
             self._dp.count(wrapper)
             return f"{DATA_PARALLEL_WHY}{wrapper.label}"
-        if gen_key(event) in self._per_rank_keys:  # Rule 3
+        if gen_key(event) in self._per_rank_keys and not sharding_sampler():  # Rule 3 (not 5)
             return "on a per-rank stream"
         return ""
 
@@ -358,6 +363,11 @@ class RankChecker:
         uncompared = self._uncompared.pop(gen, None)
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
+        # Rule 5: an order that a sampler splits among the ranks is compared by state, whatever
+        # the other rules say of its generator (known in a data-parallel program only).
+        order = sharding_sampler() if self._dp.wrappers and mesh is None else ""
+        if order:
+            self._orders[len(self._pending)] = order
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
         drifted = self._drifted.get(gen) if self._drifted else None
         if drifted is not None:
@@ -365,13 +375,15 @@ class RankChecker:
                 rebased = True
             else:  # reseeded since: its states are compared again
                 del self._drifted[gen]
+        rebased = rebased and not order
         row = Row(
             structure=text_hash(event.op, gen, *event.args),
             stream=stream,
             before=event.before if event.before is not None and not rebased else 0,
             after=event.after if event.after is not None and not rebased else 0,
             policy=code,
-            generator=text_hash(gen),
+            # (an order's rows stay when Rules 2 and 3 drop or relax its generator's rows)
+            generator=text_hash(gen, "order") if order else text_hash(gen),
         )
         if (
             stream
@@ -524,6 +536,7 @@ class RankChecker:
             events=self._pending,
             first_use=self._first_use,
             uncompared=self._uncompared_before,
+            orders=self._orders,
             vec=vec,
             parts=parts,
             stack=Stack.capture() if pipelined else None,
@@ -581,6 +594,7 @@ class RankChecker:
         self._pending = []
         self._first_use = set()
         self._uncompared_before = {}
+        self._orders = {}
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 
@@ -627,6 +641,7 @@ class RankChecker:
                 drifted=self._drifted.get(gen_key(event), (None, ""))[1]
                 if event is not None
                 else "",
+                order=sent.orders.get(index, "") if not init else "",
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()

@@ -50,6 +50,8 @@ class Detail:
     # The wrapper whose forward moved the op's generator apart, if this rank compares that
     # generator by what runs only (Rule 2's wake); "" when it does not.
     drifted: str = ""
+    # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
+    order: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -59,6 +61,7 @@ class Detail:
             "uncompared": list(self.uncompared) if self.uncompared is not None else None,
             "wrappers": list(self.wrappers),
             "drifted": self.drifted,
+            "order": self.order,
         }
 
     @classmethod
@@ -71,6 +74,7 @@ class Detail:
             uncompared=Uncompared(*uncompared) if uncompared else None,
             wrappers=tuple(data.get("wrappers", ())),
             drifted=str(data.get("drifted", "")),
+            order=str(data.get("order", "")),
         )
 
 
@@ -381,8 +385,54 @@ def _seeded_differently(e: _StateEvidence) -> str:
     )
 
 
+def _splits_an_order(details: Mapping[int, Detail]) -> str:
+    """The sampler that splits among the ranks the order drawn at the divergent op (Rule 5),
+    as any rank says; "" when none."""
+    return next((d.order for _, d in sorted(details.items()) if d.order), "")
+
+
+def _split_order(e: _StateEvidence) -> str:
+    order = _splits_an_order(e.details)
+    drifted = next((d.drifted for _, d in sorted(e.details.items()) if d.drifted), "")
+    ref = e.ref.event
+    if drifted:
+        why = (
+            f"the ranks drew different amounts from it in the forward and backward of {drifted} "
+            "(each rank's own batch shapes), and it differs across ranks from there"
+        )
+    elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
+        why = (
+            f"it is seeded differently on each rank (initial seed {ref.seed} on "
+            f"{_ranks_word(e.ref.ranks)}, {e.ev.seed} on {_ranks_word(e.odd.ranks)})"
+        )
+    else:
+        why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
+    return (
+        f"{order} splits one order of the dataset among the ranks, and the ranks drew that order "
+        f"from {e.gen} in different states: each rank takes its share of a different order, so "
+        "this pass over the data gives some samples to two ranks and others to none. "
+        f"Why {e.gen} differs: {why}. Draw the order from a generator seeded alike on "
+        "every rank and reseeded each epoch, as torch's DistributedSampler does "
+        f"(torch.Generator().manual_seed(seed + epoch)){_ORDER_ADVICE.get(order, '')}"
+    )
+
+
+_ORDER_ADVICE = {  # how to get a shared order from the sampler named
+    "accelerate's BatchSamplerShard": (
+        "; under Hugging Face's Trainer (a sampler made without a generator, such as "
+        "group_by_length's), accelerator_config={'use_seedable_sampler': False} makes "
+        "accelerate give it one and synchronise it across the ranks each epoch"
+    ),
+}
+
+
 # Why ranks that must hold the same state do not: the first row whose condition holds wins.
 STATE_CAUSES: tuple[_StateCause, ...] = (
+    _StateCause(
+        "an order split among the ranks",  # Rule 5
+        lambda e: e.before_differs and bool(_splits_an_order(e.details)),
+        _split_order,
+    ),
     _StateCause(
         "the op drew differently",
         lambda e: not e.before_differs,
@@ -520,6 +570,8 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     batch), and its states already differ from its first op."""
     if spot.kind not in ("state", "flow") or spot.policy != POLICY_CODE["same"]:
         return None
+    if _splits_an_order(details):
+        return None  # Rule 5: the ranks must draw the same order, seeded alike or not
     if spot.kind == "flow" and (
         any(d.event is None for d in details.values())
         or len({gen_key(d.event) for d in details.values() if d.event is not None}) > 1
@@ -564,7 +616,7 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     seeding call of the user's: that is the divergence to report. A generator some rank found
     so before (``Detail.drifted``: its rows sent before every rank knew still carry states) is
     one too. Decided from the gathered details only, so every rank decides alike (P5)."""
-    if spot.kind != "state" or spot.policy != POLICY_CODE["same"]:
+    if spot.kind != "state" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
         return None
     evs = {r: d.event for r, d in details.items() if d.event is not None}
     if len(evs) < 2 or len({gen_key(e) for e in evs.values()}) > 1:

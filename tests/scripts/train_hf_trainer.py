@@ -6,7 +6,14 @@ DDP; each rank's dropout draws its own amounts, and each epoch's DataLoader then
 seed from the default generator they moved apart.
 
 Writes ``result<RANK>.json`` into the directory given as the first argument: a digest of the
-trained parameters and the logged losses, to compare runs with and without rngcheck bitwise.
+trained parameters and the logged losses, to compare runs with and without rngcheck bitwise, and
+the samples the rank trained on, in order.
+
+``GROUP_BY_LENGTH=1`` turns on the Trainer's ``group_by_length``: its LengthGroupedSampler,
+made without a generator, shuffles from the default generator, which the ranks' dropout moved
+apart, so from the second epoch on each rank keeps its share of a different order (a bug of the
+Trainer's, with accelerate's seedable sampler on, the default). ``SEEDABLE_SAMPLER=0`` is its
+workaround: accelerate then gives the sampler a generator and synchronises it each epoch.
 """
 
 import hashlib
@@ -21,6 +28,8 @@ import _hf  # noqa: E402 - tests/_hf.py: the tiny-config builders (and the offli
 import transformers  # noqa: E402
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
+SEEN: list[int] = []  # the samples this rank trained on, in order (collated in this process)
+INDEX: dict[int, int] = {}  # id() of a sample's tensor -> its index
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -31,6 +40,7 @@ class Tokens(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(123)
         lengths = torch.randint(6, 13, (n,), generator=g).tolist()
         self.ids = [torch.randint(1, _hf.VOCAB, (k,), generator=g) for k in lengths]
+        INDEX.update((id(t), i) for i, t in enumerate(self.ids))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -42,6 +52,7 @@ class Tokens(torch.utils.data.Dataset):
 def pad_to_longest(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Dynamic padding, as Hugging Face's collators do: each batch to its own longest sequence,
     so each rank's batches have their own lengths (and its dropout draws its own amounts)."""
+    SEEN.extend(INDEX[id(b["input_ids"])] for b in batch)
     ids = torch.nn.utils.rnn.pad_sequence([b["input_ids"] for b in batch], batch_first=True)
     mask = (ids != 0).long()
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
@@ -61,6 +72,10 @@ def main() -> None:
         save_strategy="no",
         disable_tqdm=True,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+        train_sampling_strategy="group_by_length"
+        if os.environ.get("GROUP_BY_LENGTH") == "1"
+        else "random",
+        accelerator_config={"use_seedable_sampler": os.environ.get("SEEDABLE_SAMPLER") != "0"},
     )
     transformers.set_seed(0)
     model = _hf.build("gpt2", dropout=0.1)
@@ -74,8 +89,12 @@ def main() -> None:
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     rank = os.environ.get("RANK", "0")
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:
-        json.dump({"parameters": digest.hexdigest(), "losses": losses}, f)
+        json.dump({"parameters": digest.hexdigest(), "losses": losses, "seen": SEEN}, f)
     print("training finished", flush=True)
+    if torch.distributed.is_initialized():
+        # (without it, gloo's threads may still be running as the interpreter exits, which
+        # aborts the process now and then: "terminate called without an active exception")
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
