@@ -278,6 +278,22 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
     list(accelerate.BatchSamplerShard(batches, num_processes=2, process_index=1))
     assert sampler.seen[-1] == "accelerate's BatchSamplerShard"
 
+    # Draws with replacement are no order: each rank's share is independent draws either way.
+    class Weighted(torch.utils.data.WeightedRandomSampler):
+        seen: list[str] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            from rngcheck.ranks.samplers import sharding_sampler
+
+            self.seen.append(sharding_sampler())
+            return super().__iter__()
+
+    for replacement in (True, False):
+        weighted = Weighted([1.0] * 4, 4, replacement=replacement)
+        batches = torch.utils.data.BatchSampler(weighted, batch_size=2, drop_last=False)
+        list(accelerate.BatchSamplerShard(batches, num_processes=2, process_index=0))
+    assert Weighted.seen == ["", "accelerate's BatchSamplerShard"]
+
     lightning = pytest.importorskip("lightning.fabric.utilities.distributed")
     list(lightning.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=False))
     assert sampler.seen[-1] == "Lightning's DistributedSamplerWrapper"

@@ -342,7 +342,9 @@ class RankChecker:
         if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
             self._dp.count(wrapper)
             return f"{DATA_PARALLEL_WHY}{wrapper.label}"
-        if gen_key(event) in self._per_rank_keys and not sharding_sampler():  # Rule 3 (not 5)
+        if gen_key(event) in self._per_rank_keys and not (  # Rule 3, unless Rule 5
+            self._dp.wrappers and mesh is None and sharding_sampler()
+        ):
             return "on a per-rank stream"
         return ""
 

@@ -395,12 +395,15 @@ def _split_order(e: _StateEvidence) -> str:
     order = _splits_an_order(e.details)
     drifted = next((d.drifted for _, d in sorted(e.details.items()) if d.drifted), "")
     ref = e.ref.event
+    seed_alike = ""
     if drifted:
         why = (
             f"the ranks drew different amounts from it in the forward and backward of {drifted} "
             "(each rank's own batch shapes), and it differs across ranks from there"
         )
     elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
+        if order not in _ORDER_ADVICE:
+            seed_alike = ", or seed that generator alike on every rank"
         why = (
             f"it is seeded differently on each rank (initial seed {ref.seed} on "
             f"{_ranks_word(e.ref.ranks)}, {e.ev.seed} on {_ranks_word(e.odd.ranks)})"
@@ -411,17 +414,24 @@ def _split_order(e: _StateEvidence) -> str:
         f"{order} splits one order of the dataset among the ranks, and the ranks drew that order "
         f"from {e.gen} in different states: each rank takes its share of a different order, so "
         "this pass over the data gives some samples to two ranks and others to none. "
-        f"Why {e.gen} differs: {why}. Draw the order from a generator seeded alike on "
-        "every rank and reseeded each epoch, as torch's DistributedSampler does "
-        f"(torch.Generator().manual_seed(seed + epoch)){_ORDER_ADVICE.get(order, '')}"
+        f"Why {e.gen} differs: {why}. {_ORDER_ADVICE.get(order, _DRAW_ALIKE)}{seed_alike}"
     )
 
 
+_DRAW_ALIKE = (
+    "Draw the order from a generator seeded alike on every rank and reseeded each epoch "
+    "(torch.Generator().manual_seed(seed + epoch))"
+)
 _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     "accelerate's BatchSamplerShard": (
-        "; under Hugging Face's Trainer (a sampler made without a generator, such as "
-        "group_by_length's), accelerator_config={'use_seedable_sampler': False} makes "
-        "accelerate give it one and synchronise it across the ranks each epoch"
+        f"{_DRAW_ALIKE}; under Hugging Face's Trainer, a sampler made without a generator "
+        "(group_by_length's) gets one that accelerate synchronises across the ranks each epoch "
+        "with accelerator_config={'use_seedable_sampler': False}, and the default sampler "
+        "draws alike when every rank is seeded alike (set_seed without device_specific, the "
+        "same data_seed)"
+    ),
+    "torch's DistributedSampler": (
+        "Give DistributedSampler the same seed= on every rank (it reseeds with seed + epoch itself)"
     ),
 }
 

@@ -11,8 +11,13 @@ data-parallel forward moved apart, Rule 2's wake).
 
 Known by the function that iterates the inner order (its file and name): a sampler of the
 user's that shards by rank after shuffling with its own per-rank stream is not one, and is left
-to the other rules. A dataset's own draws under accelerate's ``IterableDatasetShard`` are not
-either: they mix the order (a shuffle buffer) with per-sample augmentation, which may differ.
+to the other rules; nor is a subclass of torch's ``DistributedSampler`` that overrides
+``__iter__`` (it may shard first). A dataset's own draws under accelerate's
+``IterableDatasetShard`` are not either: they mix the order (a shuffle buffer) with per-sample
+augmentation, which may differ. Draws with replacement (``WeightedRandomSampler``,
+``RandomSampler(replacement=True)``) are no order: each rank's share is independent draws
+whether or not the ranks draw alike, so a sampler with ``replacement=True`` under the wrapper is
+not one.
 """
 
 from __future__ import annotations
@@ -54,17 +59,26 @@ def _label(filename: str, name: str) -> str:
 
 def sharding_sampler(skip: int = 0) -> str:
     """The sampler that splits among the ranks the order the caller is drawing for (its label),
-    or "" when no such sampler is iterating on this thread. A walk of the live frames, a few
-    microseconds: called only for random ops whose generator may differ across ranks on
-    purpose."""
+    or "" when no such sampler is iterating on this thread (or the sampler under it draws with
+    replacement). A walk of the live frames, a few microseconds (about 0.2 us a frame): the
+    rank checker calls it for the random ops it compares in a data-parallel program, which
+    run outside the wrappers' forward and backward (a shuffle, a draw in the training loop)."""
     frame: FrameType | None = sys._getframe(skip + 1)
     depth = 0
+    inner: list[FrameType] = []  # the samplers' __iter__ frames below the wrapper's
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
-        if code.co_name in _NAMES:
-            label = _label(code.co_filename, code.co_name)
+        name = code.co_name
+        if name in _NAMES:
+            label = _label(code.co_filename, name)
             if label:
-                return label
+                return "" if any(_with_replacement(f) for f in inner) else label
+            if name == "__iter__":
+                inner.append(frame)
         frame = frame.f_back
         depth += 1
     return ""
+
+
+def _with_replacement(frame: FrameType) -> bool:
+    return getattr(frame.f_locals.get("self"), "replacement", False) is True
