@@ -672,10 +672,14 @@ def test_one_rank_reseeding_in_a_data_parallel_program_is_found_with_its_call(tw
         assert f"torch.manual_seed(99) at test_data_parallel.py:{seed_line}" in f["cause"]
 
 
+def _partition(shares: Any, size: int) -> bool:
+    """Whether the ranks' shares of an epoch (lists of sample indices) partition the dataset."""
+    return sorted(i for share in shares for i in share) == list(range(size))
+
+
 def _partitions(results: dict[int, dict[str, Any]], epoch: int) -> bool:
-    """Whether the ranks' shares of an epoch are a partition of the dataset (8 samples)."""
-    shares = [r["seen"][epoch] for r in results.values()]
-    return sorted(i for s in shares for i in s) == list(range(8))
+    """Whether the scenario's ranks' shares of ``epoch`` partition its 8 samples."""
+    return _partition((r["seen"][epoch] for r in results.values()), 8)
 
 
 def test_an_order_split_among_the_ranks_drawn_from_a_moved_apart_generator_is_found(
@@ -912,8 +916,8 @@ def _trainer_run(out: Any, **env: str) -> dict[str, Any]:
 
 def _shares_partition(run: dict[str, Any], epoch: int) -> bool:
     """Whether the two ranks' samples of ``epoch`` (two steps of 4 each) partition the 16."""
-    seen = [json.loads(run["results"][r])["seen"][epoch * 8 : epoch * 8 + 8] for r in (0, 1)]
-    return sorted(seen[0] + seen[1]) == list(range(16))
+    seen = (json.loads(run["results"][r])["seen"][epoch * 8 : epoch * 8 + 8] for r in (0, 1))
+    return _partition(seen, 16)
 
 
 def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround_quiet(

@@ -199,7 +199,7 @@ class RankChecker:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy or not self._checking:
             return
-        why = self._uncompared_reason(event, mesh)
+        why, order = self._judge(event, mesh)
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
@@ -209,7 +209,7 @@ class RankChecker:
                 self._uncompared[key] = _Unchecked(count + 1, event, why)
             return
         with self._lock:
-            self._add(event, mesh, written)
+            self._add(event, mesh, written, order)
         if self._cfg.sync == "op":
             self._exchange(Point.RANDOM_OP, event.op)
         elif len(self._rows) >= self._cfg.every_ops:
@@ -332,23 +332,27 @@ class RankChecker:
 
     # -- which rows are compared -----------------------------------------------------------------
 
-    def _uncompared_reason(self, event: RandomOpEvent, mesh: Any) -> str:
-        """Why this op is not compared across ranks ("" when it is)."""
+    def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str]:
+        """Why this op is not compared across ranks ("" when it is), and the sampler that splits
+        among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
+        program only). The frames are walked once, and not for the ops of a wrapper's forward."""
         if event.expect == "ignore":
-            return "under expect('ignore')"
-        if mesh is not None or current_expectation() is not None:
-            return ""  # declared: DTensor's contract (its mesh), or the user's expect block
-        wrapper = self._dp.current(event.phase is not FORWARD)
-        if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-            self._dp.count(wrapper)
-            return f"{DATA_PARALLEL_WHY}{wrapper.label}"
-        if gen_key(event) in self._per_rank_keys and not (  # Rule 3, unless Rule 5
-            self._dp.wrappers and mesh is None and sharding_sampler()
-        ):
-            return "on a per-rank stream"
-        return ""
+            return "under expect('ignore')", ""
+        if mesh is not None:
+            return "", ""  # declared: DTensor's contract (its mesh)
+        declared = current_expectation() is not None  # the user's expect block
+        if not declared:
+            wrapper = self._dp.current(event.phase is not FORWARD)
+            if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
+                self._dp.count(wrapper)
+                return f"{DATA_PARALLEL_WHY}{wrapper.label}", ""
+        order = sharding_sampler() if self._dp.wrappers else ""
+        if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
+            return "on a per-rank stream", ""
+        return "", order
 
-    def _add(self, event: RandomOpEvent, mesh: Any, written: Any) -> None:
+    def _add(self, event: RandomOpEvent, mesh: Any, written: Any, order: str) -> None:
+        """Record a compared op; ``order``: the sampler splitting the order it drew (Rule 5)."""
         exp = current_expectation()
         spec = exp.group if exp is not None else None
         members = self._groups.members(spec, mesh)
@@ -366,8 +370,7 @@ class RankChecker:
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
         # Rule 5: an order that a sampler splits among the ranks is compared by state, whatever
-        # the other rules say of its generator (known in a data-parallel program only).
-        order = sharding_sampler() if self._dp.wrappers and mesh is None else ""
+        # the other rules say of its generator.
         if order:
             self._orders[len(self._pending)] = order
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
