@@ -286,10 +286,7 @@ def _ddp_sharded_epochs(rank: int, world: int, sampler: Any) -> list[list[int]]:
     from accelerate.data_loader import BatchSamplerShard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import rngcheck
-
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     lengths = [3, 7, 5, 4, 6, 2, 8, 5]
     data = [(i, torch.ones(n, 8)) for i, n in enumerate(lengths)]
     shard = BatchSamplerShard(
@@ -303,13 +300,30 @@ def _ddp_sharded_epochs(rank: int, world: int, sampler: Any) -> list[list[int]]:
         return [i for i, _ in batch], torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
     loader = torch.utils.data.DataLoader(data, batch_sampler=shard, collate_fn=pad)
+    return _two_epochs(model, loader, sampler.set_epoch)
+
+
+def _two_epochs(
+    model: torch.nn.Module,
+    loader: Any,
+    set_epoch: Any,
+    before_step: Any = None,
+) -> list[list[int]]:
+    """Two epochs of SGD over ``loader`` (batches of sample ids and inputs), up to a finding
+    raised; ``before_step(epoch)`` runs before each step. Returns the samples this rank trained
+    on, per epoch."""
+    import rngcheck
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: list[list[int]] = []
     for epoch in range(2):
-        sampler.set_epoch(epoch)
+        set_epoch(epoch)
         seen.append([])
         try:
             for ids, x in loader:
-                seen[-1].extend(ids)
+                seen[-1].extend(ids.tolist() if isinstance(ids, torch.Tensor) else ids)
+                if before_step is not None:
+                    before_step(epoch)
                 model(x).sum().backward()
                 opt.step()
                 opt.zero_grad()
@@ -357,6 +371,60 @@ def ddp_distributed_sampler_seeded_per_rank(rank: int, world: int) -> dict[str, 
                 model(torch.ones(2, 4)).sum().backward()
         except rngcheck.RNGCheckError:
             pass
+    return _summary(mode, seen=seen)
+
+
+class _Jittered(torch.utils.data.Dataset):
+    """8 samples, each jittered as it is read with noise from the default generator."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, torch.ones(3, 8) + 0.01 * torch.randn(3, 8)
+
+
+def _ddp_dispatched_epochs(rank: int, world: int, log_sample: bool = False) -> list[list[int]]:
+    """DDP over a model with dropout, fed by accelerate's DataLoaderDispatcher (what accelerate
+    and Hugging Face's Trainer use for an IterableDataset, or with dispatch_batches=True): rank 0
+    alone iterates the DataLoader, whose sampler shuffles from the default generator and whose
+    dataset jitters each sample from it, and broadcasts each global batch to every rank.
+    ``log_sample``: at the second epoch's first step rank 0 also draws a value for its logs from
+    the default generator (a random op of rank 0's alone, outside the reading). Returns the
+    samples this rank trained on, per epoch."""
+    from accelerate import PartialState
+    from accelerate.data_loader import prepare_data_loader
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    PartialState(cpu=True)  # accelerate's view of the process group (the dispatcher's ranks)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    loader = prepare_data_loader(
+        torch.utils.data.DataLoader(_Jittered(), batch_size=2, shuffle=True),
+        num_processes=world,
+        process_index=rank,
+        device=torch.device("cpu"),
+        put_on_device=True,
+        dispatch_batches=True,
+    )
+
+    def log(epoch: int) -> None:
+        if log_sample and rank == 0 and epoch == 1:
+            torch.rand(1)  # the bug: a value for rank 0's logs
+
+    return _two_epochs(model, loader, loader.set_epoch, log)
+
+
+def ddp_dispatched_batches_read_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode() as mode:
+        seen = _ddp_dispatched_epochs(rank, world)
+    return _summary(mode, seen=seen)
+
+
+def ddp_dispatched_batches_then_rank0_draws_for_its_logs(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        seen = _ddp_dispatched_epochs(rank, world, log_sample=True)
     return _summary(mode, seen=seen)
 
 
@@ -567,6 +635,8 @@ SCENARIOS = [
     "ddp_sharded_order_from_a_generator_moved_apart",
     "ddp_sharded_order_from_a_generator_of_its_own",
     "ddp_distributed_sampler_seeded_per_rank",
+    "ddp_dispatched_batches_read_on_one_rank",
+    "ddp_dispatched_batches_then_rank0_draws_for_its_logs",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -608,6 +678,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_seed_plus_rank_crops_on_the_default_generator",
         "ddp_dynamic_padding_under_dropout",
         "ddp_sharded_order_from_a_generator_of_its_own",
+        "ddp_dispatched_batches_read_on_one_rank",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -734,6 +805,37 @@ def test_a_distributed_sampler_seeded_per_rank_is_found_not_taken_for_a_per_rank
 
     shares = [list(tud.DistributedSampler(list(range(8)), 2, r, seed=r)) for r in (0, 1)]
     assert sorted(shares[0] + shares[1]) != list(range(8))
+
+
+def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) -> None:
+    """Rule 6: under accelerate's DataLoaderDispatcher rank 0 alone draws the shuffle and the
+    jitter (it reads every rank's batches), so those ops are not compared, and the default
+    generator they moved apart is compared by what runs from there; the report says both, and
+    every epoch's shares still partition the data."""
+    results = _results(two, "ddp_dispatched_batches_read_on_one_rank")
+    assert _partitions(results, 0) and _partitions(results, 1)
+    notes = {rank: "\n".join(r["notes"]) for rank, r in results.items()}
+    assert (
+        "random op(s) rank 0 drew alone, reading every rank's batches for accelerate's "
+        "DataLoaderDispatcher (the other ranks receive them by broadcast)"
+    ) in notes[0], notes[0]
+    assert "drew alone" not in notes[1], notes[1]
+    for text in notes.values():
+        assert (
+            "not compared by state: default cpu after the ranks drew different amounts from it "
+            "while rank 0 alone read every rank's batches for accelerate's DataLoaderDispatcher"
+        ) in text, text
+
+
+def test_a_random_op_of_the_reading_rank_outside_the_reading_is_still_found(two: Any) -> None:
+    """Only the reading is the dispatching rank's own: a value rank 0 alone draws in the
+    training loop, from the generator the reading moved apart, is an extra random op there."""
+    for rank, r in _results(two, "ddp_dispatched_batches_then_rank0_draws_for_its_logs").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.rand.default", f
+        assert "rank 0 ran an extra random op" in f["cause"], f["cause"]
+        assert [len(epoch) for epoch in r["seen"]] == [4, 2], r["seen"]  # its first step
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:
@@ -949,6 +1051,31 @@ def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround
         -3000:
     ]
     assert _shares_partition(fixed, 0) and _shares_partition(fixed, 1)
+
+
+def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_unchanged(
+    tmp_path: Any,
+) -> None:
+    """Rule 6 on Hugging Face's Trainer with an IterableDataset that shuffles from the default
+    generator: accelerate dispatches its batches, rank 0 alone iterating the dataset (so alone
+    drawing its shuffle) and broadcasting every rank's batch. Correct, so quiet (it was "rank 0
+    ran an extra random op"), and it trains bitwise as it does without rngcheck."""
+    plain = _trainer_run(tmp_path / "plain", RNGCHECK="0", ITERABLE="1")
+    seen = [json.loads(plain["results"][r])["seen"] for r in (0, 1)]
+    assert sorted(seen[0][:16]) == list(range(16)) and seen[1] == [], seen  # rank 0 reads all
+    reports = tmp_path / "reports"
+    checked = _trainer_run(tmp_path / "checked", RNGCHECK_REPORT=str(reports), ITERABLE="1")
+    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
+        "stderr"
+    ][-3000:]
+    assert checked["results"] == plain["results"]
+    notes = "\n".join(
+        n["message"] for n in json.loads((reports / "rank0.json").read_text())["notes"]
+    )
+    assert (
+        "rank 0 drew alone, reading every rank's batches for accelerate's DataLoaderDispatcher"
+        in (notes)
+    )
 
 
 def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:

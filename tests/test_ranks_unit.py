@@ -236,7 +236,15 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
 
     moved = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=forward)}
     found = data_parallel_drift(state, moved)
-    assert found is not None and found[1] == ddp
+    assert found is not None
+    assert found[1] == f"in the forward and backward of {ddp} (each rank's own batch shapes)"
+    # Rule 6: a rank that read every rank's batches alone is the surer cause (rank 1 here).
+    dispatcher = "accelerate's DataLoaderDispatcher"
+    read = {0: detail(11, uncompared=forward), 1: detail(15, read_alone=dispatcher)}
+    found = data_parallel_drift(state, read)
+    assert found is not None and found[1] == (
+        f"while rank 1 alone read every rank's batches for {dispatcher}"
+    )
     assert data_parallel_drift(state, {0: detail(11), 1: detail(15)}) is None  # nothing drew
     # Known on one rank only (its rows were sent before every rank knew): still one decision.
     known = {0: detail(11, drifted=ddp), 1: detail(15)}
@@ -249,18 +257,21 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
 
 
 class _Recording(torch.utils.data.Sampler):
-    """A sampler that records, as it shuffles, which sampler splitting an order rngcheck sees."""
+    """A sampler that records, as it shuffles, which sampler splitting an order rngcheck sees
+    (and, in ``readings``, what reads the data)."""
 
     def __init__(self, n: int = 4) -> None:
-        self.n, self.seen = n, []
+        self.n, self.seen, self.readings = n, [], []
 
     def __len__(self) -> int:
         return self.n
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        from rngcheck.ranks.samplers import sharding_sampler
+        from rngcheck.ranks.data_reading import data_reading
 
-        self.seen.append(sharding_sampler())
+        reading = data_reading()
+        self.seen.append(reading.order)
+        self.readings.append(reading)
         return iter(range(self.n))
 
 
@@ -283,9 +294,9 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
         seen: list[str] = []
 
         def __iter__(self):  # type: ignore[no-untyped-def]
-            from rngcheck.ranks.samplers import sharding_sampler
+            from rngcheck.ranks.data_reading import data_reading
 
-            self.seen.append(sharding_sampler())
+            self.seen.append(data_reading().order)
             return super().__iter__()
 
     for replacement in (True, False):
@@ -297,6 +308,29 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
     lightning = pytest.importorskip("lightning.fabric.utilities.distributed")
     list(lightning.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=False))
     assert sampler.seen[-1] == "Lightning's DistributedSamplerWrapper"
+
+
+def test_a_dispatcher_reading_every_ranks_batches_is_known_whatever_splits_below_it() -> None:
+    """Rule 6 knows accelerate's DataLoaderDispatcher by the function that reads for every rank
+    (here in one process, where it is rank 0), over a plain sampler and over a BatchSamplerShard
+    (which would otherwise be Rule 5's): whatever is drawn there, one rank draws it alone."""
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    from accelerate.state import PartialState
+
+    from rngcheck.ranks.data_reading import NOT_READING, Reading
+
+    sampler = _Recording()
+    list(torch.utils.data.DataLoader(range(4), sampler=sampler, batch_size=2))
+    assert sampler.readings == [NOT_READING]
+    try:
+        list(accelerate.DataLoaderDispatcher(list(range(4)), batch_size=2, sampler=sampler))
+        batches = torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False)
+        shard = accelerate.BatchSamplerShard(batches, num_processes=2, process_index=0)
+        list(accelerate.DataLoaderDispatcher(list(range(4)), batch_sampler=shard))
+    finally:
+        PartialState._reset_state()  # the dispatcher made accelerate's process state
+    dispatched = Reading(dispatcher="accelerate's DataLoaderDispatcher")
+    assert sampler.readings[1:] == [dispatched, dispatched]
 
 
 def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drift() -> None:

@@ -4,9 +4,10 @@
 Rows wait in the pending window until an exchange point: every random op (``sync="op"``) or
 optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
 torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
-compared follows the data-parallel rules (Rules 1 to 4, docs/data-parallel.md):
-ops of a data-parallel forward/backward and of per-rank streams are not compared, parameter
-initialisations are settled at the first step unless a wrapper broadcast them.
+compared follows the data-parallel rules (Rules 1 to 6, docs/data-parallel.md):
+ops of a data-parallel forward/backward, of per-rank streams and of one rank reading every rank's
+batches are not compared, parameter initialisations are settled at the first step unless a
+wrapper broadcast them, and an order a sampler splits among the ranks is compared by state.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from ..core.policy import current_expectation
 from ..core.stacks import Stack
 from .board import Board
 from .data_parallel import DataParallelTracker, Wrapper
+from .data_reading import DISPATCHER_MODULES, NOT_READING, data_reading
 from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
+    DISPATCHED_WHY,
     Detail,
     Uncompared,
     build_finding,
@@ -54,7 +57,6 @@ from .protocol import (
     gen_key,
     text_hash,
 )
-from .samplers import sharding_sampler
 from .step_digest import StepDigests, StepVerdict, slot_of, slot_values
 
 __all__ = ["RankChecker"]
@@ -83,6 +85,7 @@ class _Unchecked(NamedTuple):
     ops: int
     event: RandomOpEvent
     why: str
+    read_alone: str = ""  # a dispatcher one of them read every rank's batches for (Rule 6)
 
     def public(self) -> Uncompared:
         return Uncompared(self.ops, self.event.op, self.event.site, self.why)
@@ -163,15 +166,19 @@ class RankChecker:
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
         # initialisations are settled at the first step, unless a wrapper broadcast them;
-        # Rule 5, an order a sampler splits among the ranks is compared by state (samplers.py).
+        # Rule 5, an order a sampler splits among the ranks is compared by state; Rule 6, the
+        # ops of one rank reading every rank's batches are not compared (data_reading.py).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
         # Rule 2's wake: a generator the ranks moved apart in a data-parallel forward/backward
-        # (per-rank shapes) is compared by what runs, not by state, until it is reseeded.
-        # gen_key -> (its initial seed on this rank then, the wrapper's label).
+        # (per-rank shapes), or one rank alone reading every rank's batches (Rule 6), is compared
+        # by what runs, not by state, until it is reseeded.
+        # gen_key -> (its initial seed on this rank then, how the ranks moved it apart).
         self._drifted: dict[str, tuple[int | None, str]] = {}
-        self._drift_notes: dict[str, tuple[str, str]] = {}  # gen_key -> (generator, wrapper)
+        # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rule 6)
+        self._drift_notes: dict[str, tuple[str, str]] = {}
+        self._read_alone: dict[str, int] = {}  # dispatcher -> random ops this rank read for all
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
@@ -203,10 +210,16 @@ class RankChecker:
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
+            read = why.removeprefix(DISPATCHED_WHY) if why.startswith(DISPATCHED_WHY) else ""
             with self._lock:
                 key = gen_key(event)
-                count = self._uncompared[key].ops if key in self._uncompared else 0
-                self._uncompared[key] = _Unchecked(count + 1, event, why)
+                last = self._uncompared.get(key)
+                if last is not None:
+                    self._uncompared[key] = _Unchecked(
+                        last.ops + 1, event, why, read or last.read_alone
+                    )
+                else:
+                    self._uncompared[key] = _Unchecked(1, event, why, read)
             return
         with self._lock:
             self._add(event, mesh, written, order)
@@ -335,7 +348,8 @@ class RankChecker:
     def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str]:
         """Why this op is not compared across ranks ("" when it is), and the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
-        program only). The frames are walked once, and not for the ops of a wrapper's forward."""
+        program only). The frames are walked once, in a data-parallel program or one that
+        loaded a dispatcher (Rule 6), and not for the ops of a wrapper's forward."""
         if event.expect == "ignore":
             return "under expect('ignore')", ""
         if mesh is not None:
@@ -346,7 +360,16 @@ class RankChecker:
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
                 self._dp.count(wrapper)
                 return f"{DATA_PARALLEL_WHY}{wrapper.label}", ""
-        order = sharding_sampler() if self._dp.wrappers else ""
+        reading = (
+            data_reading()
+            if self._dp.wrappers or any(m in sys.modules for m in DISPATCHER_MODULES)
+            else NOT_READING
+        )
+        if reading.dispatcher and not declared:  # Rule 6: this rank reads for every rank
+            dispatcher = reading.dispatcher
+            self._read_alone[dispatcher] = self._read_alone.get(dispatcher, 0) + 1
+            return f"{DISPATCHED_WHY}{dispatcher}", ""
+        order = reading.order if self._dp.wrappers else ""
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return "on a per-rank stream", ""
         return "", order
@@ -459,13 +482,22 @@ class RankChecker:
         out.extend(
             Note(
                 kind="not_compared",
+                message=f"not compared: {count} random op(s) rank {self.rank} drew alone, "
+                f"reading every rank's batches for {dispatcher} (the other ranks receive them "
+                "by broadcast).",
+                count=count,
+            )
+            for dispatcher, count in self._read_alone.items()
+        )
+        out.extend(
+            Note(
+                kind="not_compared",
                 message=f"not compared by state: {generator} after the ranks drew different "
-                f"amounts from it in the forward and backward of {wrapper} (each rank's own "
-                "batch shapes); its later random ops are compared by what runs, until it is "
-                "reseeded. It differs across ranks from there: draw replicated decisions "
+                f"amounts from it {how}; its later random ops are compared by what runs, until "
+                "it is reseeded. It differs across ranks from there: draw replicated decisions "
                 "(a shuffle, a sampled task) from a generator of their own.",
             )
-            for generator, wrapper in self._drift_notes.values()
+            for generator, how in self._drift_notes.values()
         )
         if self._replaced_inits:
             out.append(
@@ -647,6 +679,7 @@ class RankChecker:
                 if event is not None
                 else "",
                 order=sent.orders.get(index, "") if not init else "",
+                read_alone=unchecked.read_alone if unchecked is not None and not init else "",
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
@@ -674,14 +707,15 @@ class RankChecker:
                 drift = data_parallel_drift(spot, details)
                 if drift is None:
                     return finding
-                # Rule 2's wake: from here this generator is compared by what runs, not by
-                # state (until it is reseeded); this round is judged again without its states.
-                event_d, label = drift
+                # Rule 2's wake (and Rule 6's): from here this generator is compared by what
+                # runs, not by state (until it is reseeded); this round is judged again without
+                # its states.
+                event_d, how = drift
                 key = gen_key(event_d)
                 mine_d = details[self.rank].event
                 if key not in self._drifted:
-                    self._drifted[key] = (mine_d.seed if mine_d is not None else None, label)
-                self._drift_notes.setdefault(key, (event_d.generator.label, label))
+                    self._drifted[key] = (mine_d.seed if mine_d is not None else None, how)
+                self._drift_notes.setdefault(key, (event_d.generator.label, how))
                 gen = text_hash(key)
                 windows = {
                     r: [

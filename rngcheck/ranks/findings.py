@@ -18,6 +18,7 @@ __all__ = [
     "Detail",
     "Uncompared",
     "DATA_PARALLEL_WHY",
+    "DISPATCHED_WHY",
     "build_finding",
     "data_parallel_drift",
     "init_finding",
@@ -47,11 +48,15 @@ class Detail:
     seed_calls: tuple[SeedCall, ...] = ()  # the user's seeding calls that reached the generator
     uncompared: Uncompared | None = None
     wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
-    # The wrapper whose forward moved the op's generator apart, if this rank compares that
-    # generator by what runs only (Rule 2's wake); "" when it does not.
+    # How the ranks moved the op's generator apart ("in the forward and backward of DDP over
+    # ranks 0-1 (...)"), if this rank compares that generator by what runs only (Rule 2's wake,
+    # Rule 6); "" when it does not.
     drifted: str = ""
     # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
     order: str = ""
+    # The dispatcher this rank read every rank's batches for, drawing from the op's generator,
+    # since its last compared op (Rule 6); "" when none.
+    read_alone: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -62,6 +67,7 @@ class Detail:
             "wrappers": list(self.wrappers),
             "drifted": self.drifted,
             "order": self.order,
+            "read_alone": self.read_alone,
         }
 
     @classmethod
@@ -75,6 +81,7 @@ class Detail:
             wrappers=tuple(data.get("wrappers", ())),
             drifted=str(data.get("drifted", "")),
             order=str(data.get("order", "")),
+            read_alone=str(data.get("read_alone", "")),
         )
 
 
@@ -398,8 +405,8 @@ def _split_order(e: _StateEvidence) -> str:
     seed_alike = ""
     if drifted:
         why = (
-            f"the ranks drew different amounts from it in the forward and backward of {drifted} "
-            "(each rank's own batch shapes), and it differs across ranks from there"
+            f"the ranks drew different amounts from it {drifted}, and it differs across ranks "
+            "from there"
         )
     elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
         if order not in _ORDER_ADVICE:
@@ -616,16 +623,19 @@ def _reseeded_by_user(event: RandomOpEvent) -> bool:
 
 
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
+DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
 
 
 def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
     """When the ranks' states differ at ``spot`` because the generator drew in a data-parallel
     forward or backward since its last compared op (Rule 2: each rank drew for its own batch,
-    so per-rank shapes, variable-length batches under dropout, moved it apart), that generator
-    (one rank's event of it) and the wrapper's label; else None. Not when a rank's op follows a
-    seeding call of the user's: that is the divergence to report. A generator some rank found
-    so before (``Detail.drifted``: its rows sent before every rank knew still carry states) is
-    one too. Decided from the gathered details only, so every rank decides alike (P5)."""
+    so per-rank shapes, variable-length batches under dropout, moved it apart), or while one
+    rank read every rank's batches (Rule 6), that generator (one rank's event of it) and how the
+    ranks moved it apart ("in the forward and backward of ..."); else None. Not when a rank's op
+    follows a seeding call of the user's: that is the divergence to report. A generator some
+    rank found so before (``Detail.drifted``: its rows sent before every rank knew still carry
+    states) is one too. Decided from the gathered details only, so every rank decides alike
+    (P5)."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
         return None
     evs = {r: d.event for r, d in details.items() if d.event is not None}
@@ -637,6 +647,11 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
         return first, known[0]
+    # A rank that read alone is the surer cause: its draws were its own, whatever the shapes.
+    alone = sorted((r, d.read_alone) for r, d in details.items() if d.read_alone)
+    if alone:
+        rank, dispatcher = alone[0]
+        return first, f"while rank {rank} alone read every rank's batches for {dispatcher}"
     wrappers = sorted(
         d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
         for d in details.values()
@@ -644,7 +659,7 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     )
     if not wrappers:
         return None
-    return first, wrappers[0]
+    return first, f"in the forward and backward of {wrappers[0]} (each rank's own batch shapes)"
 
 
 def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:

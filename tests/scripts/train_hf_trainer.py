@@ -14,12 +14,19 @@ made without a generator, shuffles from the default generator, which the ranks' 
 apart, so from the second epoch on each rank keeps its share of a different order (a bug of the
 Trainer's, with accelerate's seedable sampler on, the default). ``SEEDABLE_SAMPLER=0`` is its
 workaround: accelerate then gives the sampler a generator and synchronises it each epoch.
+
+``ITERABLE=1`` trains on an ``IterableDataset`` that shuffles its samples each pass with
+``torch.randperm`` from the default generator: accelerate (the Trainer's) then dispatches the
+batches, rank 0 alone iterating the dataset and broadcasting each global batch, so only rank 0
+draws that shuffle (correct). Batches are padded to one fixed length there, as dispatching
+requires.
 """
 
 import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -28,6 +35,7 @@ import _hf  # noqa: E402 - tests/_hf.py: the tiny-config builders (and the offli
 import transformers  # noqa: E402
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
+ITERABLE = os.environ.get("ITERABLE") == "1"
 SEEN: list[int] = []  # the samples this rank trained on, in order (collated in this process)
 INDEX: dict[int, int] = {}  # id() of a sample's tensor -> its index
 
@@ -49,11 +57,24 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i]}
 
 
+class Shuffled(torch.utils.data.IterableDataset):
+    """The same corpus as a stream, in a new order each pass (from the default generator)."""
+
+    def __init__(self) -> None:
+        self.tokens = Tokens()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for i in torch.randperm(len(self.tokens)).tolist():
+            yield self.tokens[i]
+
+
 def pad_to_longest(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Dynamic padding, as Hugging Face's collators do: each batch to its own longest sequence,
     so each rank's batches have their own lengths (and its dropout draws its own amounts)."""
     SEEN.extend(INDEX[id(b["input_ids"])] for b in batch)
     ids = torch.nn.utils.rnn.pad_sequence([b["input_ids"] for b in batch], batch_first=True)
+    if ITERABLE:  # dispatched batches are concatenated: one length for all
+        ids = torch.nn.functional.pad(ids, (0, 12 - ids.shape[1]))
     mask = (ids != 0).long()
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
@@ -80,7 +101,10 @@ def main() -> None:
     transformers.set_seed(0)
     model = _hf.build("gpt2", dropout=0.1)
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(), data_collator=pad_to_longest
+        model=model,
+        args=args,
+        train_dataset=Shuffled() if ITERABLE else Tokens(),
+        data_collator=pad_to_longest,
     )
     trainer.train()
     digest = hashlib.sha256()
