@@ -350,6 +350,61 @@ def ddp_sharded_order_from_a_generator_of_its_own(rank: int, world: int) -> dict
     return _summary(mode, seen=seen)
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """8 sequences of different lengths, in a new order each pass: shuffled from the default
+    generator, or with ``own``, from its own ``generator`` attribute (which accelerate's
+    IterableDatasetShard reseeds alike on every rank each pass)."""
+
+    LINE = 0
+    LENGTHS = (3, 7, 5, 4, 6, 2, 8, 5)
+
+    def __init__(self, own: bool) -> None:
+        self.generator = torch.Generator() if own else None
+
+    def __iter__(self) -> Any:
+        _Stream.LINE = sys._getframe().f_lineno + 1
+        for i in torch.randperm(len(self.LENGTHS), generator=self.generator).tolist():
+            yield i, torch.ones(self.LENGTHS[i], 8)
+
+
+def _ddp_streamed_epochs(rank: int, world: int, own: bool) -> list[list[int]]:
+    """DDP over a model with dropout, fed a stream through accelerate's IterableDatasetShard (an
+    IterableDataset under accelerate with dispatch_batches=False: every rank iterates the whole
+    stream and keeps its share of each global batch) with dynamic padding, so each rank's dropout
+    draws for its own batch shapes. Returns the samples this rank trained on, per epoch."""
+    from accelerate.data_loader import IterableDatasetShard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)))
+    shard = IterableDatasetShard(
+        _Stream(own), batch_size=2, num_processes=world, process_index=rank
+    )
+
+    def pad(batch: list[Any]) -> tuple[list[int], torch.Tensor]:
+        seqs = [x for _, x in batch]
+        return [i for i, _ in batch], torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+
+    loader = torch.utils.data.DataLoader(shard, batch_size=2, collate_fn=pad)
+    return _two_epochs(model, loader, shard.set_epoch)
+
+
+def ddp_streamed_order_from_a_generator_moved_apart(rank: int, world: int) -> dict[str, Any]:
+    """The bug: the stream shuffles from the default generator, which the ranks' dropout moved
+    apart in the first pass; at the second, each rank keeps its share of a different stream."""
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        seen = _ddp_streamed_epochs(rank, world, own=False)
+    return _summary(mode, line=_Stream.LINE, seen=seen)
+
+
+def ddp_streamed_order_from_the_datasets_generator(rank: int, world: int) -> dict[str, Any]:
+    """The same stream drawing from its own generator, which accelerate reseeds: correct."""
+    torch.manual_seed(0)
+    with _mode() as mode:
+        seen = _ddp_streamed_epochs(rank, world, own=True)
+    return _summary(mode, seen=seen)
+
+
 def ddp_distributed_sampler_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
     """torch's DistributedSampler given a seed that depends on the rank: its shuffles differ, so
     the ranks' shares overlap."""
@@ -635,6 +690,8 @@ SCENARIOS = [
     "ddp_sharded_order_from_a_generator_moved_apart",
     "ddp_sharded_order_from_a_generator_of_its_own",
     "ddp_distributed_sampler_seeded_per_rank",
+    "ddp_streamed_order_from_a_generator_moved_apart",
+    "ddp_streamed_order_from_the_datasets_generator",
     "ddp_dispatched_batches_read_on_one_rank",
     "ddp_dispatched_batches_then_rank0_draws_for_its_logs",
     "hand_written_allreduce_seed_plus_rank",
@@ -679,6 +736,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_dynamic_padding_under_dropout",
         "ddp_sharded_order_from_a_generator_of_its_own",
         "ddp_dispatched_batches_read_on_one_rank",
+        "ddp_streamed_order_from_the_datasets_generator",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -786,6 +844,33 @@ def test_an_order_split_among_the_ranks_from_a_shared_generator_is_quiet_and_par
     assert "not compared by state: default cpu after the ranks drew different amounts" in notes
 
 
+def test_a_stream_every_rank_iterates_drawn_from_a_moved_apart_generator_is_found(
+    two: Any,
+) -> None:
+    """Rule 5 with accelerate's IterableDatasetShard: every rank iterates the whole stream, so
+    its shuffle is compared by state even after the forward moved the default generator apart;
+    the first pass is quiet (its shares partition the data), the second stops at its shuffle."""
+    results = _results(two, "ddp_streamed_order_from_a_generator_moved_apart")
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
+        assert f["cause"].startswith(
+            "accelerate's IterableDatasetShard has every rank iterate the whole stream"
+        ), f["cause"]
+        assert "a torch.Generator kept as its generator attribute" in f["cause"], f["cause"]
+        assert len(r["seen"]) == 2 and len(r["seen"][1]) == 2, r["seen"]  # its first batch
+    assert _partitions(results, 0)
+
+
+def test_a_stream_drawing_from_the_datasets_own_generator_is_quiet_and_partitions(
+    two: Any,
+) -> None:
+    results = _results(two, "ddp_streamed_order_from_the_datasets_generator")
+    assert _partitions(results, 0) and _partitions(results, 1)
+
+
 def test_a_distributed_sampler_seeded_per_rank_is_found_not_taken_for_a_per_rank_stream(
     two: Any,
 ) -> None:
@@ -817,7 +902,7 @@ def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) ->
     notes = {rank: "\n".join(r["notes"]) for rank, r in results.items()}
     assert (
         "random op(s) rank 0 drew alone, reading every rank's batches for accelerate's "
-        "DataLoaderDispatcher (the other ranks receive them by broadcast)"
+        "DataLoaderDispatcher (the other ranks receive the batches by broadcast)"
     ) in notes[0], notes[0]
     assert "drew alone" not in notes[1], notes[1]
     for text in notes.values():
@@ -1074,8 +1159,13 @@ def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_uncha
     )
     assert (
         "rank 0 drew alone, reading every rank's batches for accelerate's DataLoaderDispatcher"
-        in (notes)
-    )
+        in notes
+    ), notes
+    # The shuffle moved rank 0's default generator: the next pass's DataLoader seed shows it.
+    assert (
+        "not compared by state: default cpu after the ranks drew different amounts from it "
+        "while rank 0 alone read every rank's batches"
+    ) in notes, notes
 
 
 def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:

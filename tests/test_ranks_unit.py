@@ -245,6 +245,12 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     assert found is not None and found[1] == (
         f"while rank 1 alone read every rank's batches for {dispatcher}"
     )
+    # ... only when it explains every difference: on 3 ranks, rank 2 differing from rank 1
+    # too (neither read nor drew in a forward) is a divergence of its own.
+    three = {0: detail(11, read_alone=dispatcher), 1: detail(15), 2: detail(15)}
+    assert data_parallel_drift(state, three) is not None
+    three[2] = detail(17)
+    assert data_parallel_drift(state, three) is None
     assert data_parallel_drift(state, {0: detail(11), 1: detail(15)}) is None  # nothing drew
     # Known on one rank only (its rows were sent before every rank knew): still one decision.
     known = {0: detail(11, drifted=ddp), 1: detail(15)}
@@ -304,6 +310,40 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
         batches = torch.utils.data.BatchSampler(weighted, batch_size=2, drop_last=False)
         list(accelerate.BatchSamplerShard(batches, num_processes=2, process_index=0))
     assert Weighted.seen == ["", "accelerate's BatchSamplerShard"]
+
+    # A stream every rank iterates whole under IterableDatasetShard: what it draws is an order.
+    class Stream(torch.utils.data.IterableDataset):
+        seen: list[str] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            from rngcheck.ranks.data_reading import data_reading
+
+            self.seen.append(data_reading().order)
+            yield from range(4)
+
+    list(Stream())
+    list(accelerate.IterableDatasetShard(Stream(), batch_size=2, num_processes=2))
+    assert Stream.seen == ["", "accelerate's IterableDatasetShard"]
+
+    # torch's DistributedSampler by its own __iter__ only: a subclass overriding it may shard
+    # first (and then shuffle its share per rank), so it is not one.
+    class Sized:  # a dataset whose len() the sampler asks as it shuffles
+        seen: list[str] = []
+
+        def __len__(self) -> int:
+            from rngcheck.ranks.data_reading import data_reading
+
+            self.seen.append(data_reading().order)
+            return 4
+
+    class Own(torch.utils.data.DistributedSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(len(self.dataset)))
+
+    list(torch.utils.data.DistributedSampler(Sized(), num_replicas=2, rank=0))  # type: ignore[arg-type]
+    assert Sized.seen[-1] == "torch's DistributedSampler"
+    list(Own(Sized(), num_replicas=2, rank=0))  # type: ignore[arg-type]
+    assert Sized.seen[-1] == ""
 
     lightning = pytest.importorskip("lightning.fabric.utilities.distributed")
     list(lightning.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=False))

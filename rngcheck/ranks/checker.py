@@ -88,7 +88,10 @@ class _Unchecked(NamedTuple):
     read_alone: str = ""  # a dispatcher one of them read every rank's batches for (Rule 6)
 
     def public(self) -> Uncompared:
-        return Uncompared(self.ops, self.event.op, self.event.site, self.why)
+        why = self.why
+        if self.read_alone and not why.startswith(DISPATCHED_WHY):  # the ops had both reasons
+            why = f"{why} or {DISPATCHED_WHY}{self.read_alone}"
+        return Uncompared(self.ops, self.event.op, self.event.site, why)
 
 
 @dataclass(slots=True)
@@ -483,8 +486,8 @@ class RankChecker:
             Note(
                 kind="not_compared",
                 message=f"not compared: {count} random op(s) rank {self.rank} drew alone, "
-                f"reading every rank's batches for {dispatcher} (the other ranks receive them "
-                "by broadcast).",
+                f"reading every rank's batches for {dispatcher} (the other ranks receive the "
+                "batches by broadcast).",
                 count=count,
             )
             for dispatcher, count in self._read_alone.items()

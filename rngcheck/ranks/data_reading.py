@@ -10,12 +10,18 @@ gives some samples to two ranks and others to none. So such a draw is compared b
 generator the other rules leave uncompared by state (a per-rank stream, Rule 3; one the
 data-parallel forward moved apart, Rule 2's wake).
 
-Known by the function that iterates the inner order (its file and name): a sampler of the
+accelerate's ``IterableDatasetShard`` (an ``IterableDataset`` under accelerate with
+``dispatch_batches=False``, which accelerate's own error for batches of different sizes
+suggests) does the same with a stream: every rank iterates the whole dataset and keeps its share
+of each global batch, so what the dataset draws as it iterates (a shuffle, a shuffle buffer, a
+mix of sources) must be drawn alike too. (Draws there that only augment a sample would be
+harmless if they differed, but they are compared as well: accelerate synchronises the dataset's
+own ``generator`` each pass, the place for them.)
+
+Known by the function that iterates the inner order (its code object): a sampler of the
 user's that shards by rank after shuffling with its own per-rank stream is not one, and is left
 to the other rules; nor is a subclass of torch's ``DistributedSampler`` that overrides
-``__iter__`` (it may shard first). A dataset's own draws under accelerate's
-``IterableDatasetShard`` are not either: they mix the order (a shuffle buffer) with per-sample
-augmentation, which may differ. Draws with replacement (``WeightedRandomSampler``,
+``__iter__`` (it may shard first). Draws with replacement (``WeightedRandomSampler``,
 ``RandomSampler(replacement=True)``) are no order: each rank's share is independent draws
 whether or not the ranks draw alike, so a sampler with ``replacement=True`` under the wrapper is
 not one.
@@ -31,39 +37,69 @@ dataset draws from it), and is compared by what runs, not by state, as after Rul
 
 from __future__ import annotations
 
-import os
 import sys
-from functools import lru_cache
-from types import FrameType
+from types import CodeType, FrameType
 from typing import NamedTuple
 
-__all__ = ["DISPATCHERS", "SHARDING_SAMPLERS", "Reading", "data_reading"]
+__all__ = [
+    "DISPATCHERS",
+    "DISPATCHER_MODULES",
+    "NOT_READING",
+    "SHARDING_SAMPLERS",
+    "Reading",
+    "data_reading",
+]
 
-_SEP = os.sep
+_ACCELERATE = "accelerate.data_loader"
 _LIGHTNING = "Lightning's DistributedSamplerWrapper"
-_ACCELERATE = "accelerate's BatchSamplerShard"
-_ACCELERATE_LOADER = f"{_SEP}accelerate{_SEP}data_loader.py"
-# (the end of a file's path, a function in it) -> the sampler that splits the order it iterates
+# (a module, a function's qualified name in it) -> the sampler that splits the order it iterates
 SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
-    (_ACCELERATE_LOADER, "_iter_with_split"): _ACCELERATE,
-    (_ACCELERATE_LOADER, "_iter_with_no_split"): _ACCELERATE,
+    (_ACCELERATE, "BatchSamplerShard._iter_with_split"): "accelerate's BatchSamplerShard",
+    (_ACCELERATE, "BatchSamplerShard._iter_with_no_split"): "accelerate's BatchSamplerShard",
+    (_ACCELERATE, "IterableDatasetShard.__iter__"): "accelerate's IterableDatasetShard",
     # _DatasetSamplerWrapper materialises the inner sampler's order for the wrapper to split
-    (f"{_SEP}lightning{_SEP}fabric{_SEP}utilities{_SEP}distributed.py", "reset"): _LIGHTNING,
-    (f"{_SEP}lightning{_SEP}fabric{_SEP}utilities{_SEP}distributed.py", "__getitem__"): _LIGHTNING,
-    (f"{_SEP}lightning_fabric{_SEP}utilities{_SEP}distributed.py", "reset"): _LIGHTNING,
-    (f"{_SEP}lightning_fabric{_SEP}utilities{_SEP}distributed.py", "__getitem__"): _LIGHTNING,
-    (f"{_SEP}torch{_SEP}utils{_SEP}data{_SEP}distributed.py", "__iter__"): (
-        "torch's DistributedSampler"
-    ),
+    ("lightning.fabric.utilities.distributed", "_DatasetSamplerWrapper.reset"): _LIGHTNING,
+    ("lightning.fabric.utilities.distributed", "_DatasetSamplerWrapper.__getitem__"): _LIGHTNING,
+    ("lightning_fabric.utilities.distributed", "_DatasetSamplerWrapper.reset"): _LIGHTNING,
+    ("lightning_fabric.utilities.distributed", "_DatasetSamplerWrapper.__getitem__"): _LIGHTNING,
+    ("torch.utils.data.distributed", "DistributedSampler.__iter__"): "torch's DistributedSampler",
 }
-# (the end of a file's path, a function in it) -> the dispatcher that reads there, on one rank,
+# (a module, a function's qualified name in it) -> the dispatcher that reads there, on one rank,
 # the batches of every rank
 DISPATCHERS: dict[tuple[str, str], str] = {
-    (_ACCELERATE_LOADER, "_fetch_batches"): "accelerate's DataLoaderDispatcher",
+    (_ACCELERATE, "DataLoaderDispatcher._fetch_batches"): "accelerate's DataLoaderDispatcher",
 }
-DISPATCHER_MODULES = ("accelerate.data_loader",)  # where a dispatcher can come from
-_NAMES = frozenset(name for _, name in (*SHARDING_SAMPLERS, *DISPATCHERS))
+DISPATCHER_MODULES = tuple({module for module, _ in DISPATCHERS})  # where a dispatcher lives
 _MAX_DEPTH = 256  # frames walked at most (a sampler iterates a few frames above the op)
+
+# The functions above by their code objects (a frame runs one exactly: a subclass overriding
+# the method runs its own), resolved as their modules are imported: code -> (label, dispatcher)
+_ENTRIES = {
+    **{key: (label, False) for key, label in SHARDING_SAMPLERS.items()},
+    **{key: (label, True) for key, label in DISPATCHERS.items()},
+}
+_CODES: dict[CodeType, tuple[str, bool]] = {}
+_WAITING = {module for module, _ in _ENTRIES}  # modules not imported yet
+
+
+def _known() -> dict[CodeType, tuple[str, bool]]:
+    """The code objects of the known functions whose modules are imported by now (one that is
+    being imported is tried again at the next call; a function a version lacks stays unknown)."""
+    for module in [m for m in _WAITING if m in sys.modules]:
+        mod = sys.modules[module]
+        if getattr(getattr(mod, "__spec__", None), "_initializing", False):
+            continue
+        for (where, qualname), entry in _ENTRIES.items():
+            if where != module:
+                continue
+            obj: object = mod
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
+            code = getattr(obj, "__code__", None)
+            if isinstance(code, CodeType):
+                _CODES[code] = entry
+        _WAITING.discard(module)
+    return _CODES
 
 
 class Reading(NamedTuple):
@@ -76,16 +112,6 @@ class Reading(NamedTuple):
 NOT_READING = Reading()
 
 
-@lru_cache(maxsize=1024)
-def _label(filename: str, name: str) -> tuple[str, bool]:
-    """The sampler or dispatcher a function is part of, and whether it is a dispatcher."""
-    for table, dispatcher in ((DISPATCHERS, True), (SHARDING_SAMPLERS, False)):
-        for (tail, fn), label in table.items():
-            if name == fn and filename.endswith(tail):
-                return label, dispatcher
-    return "", False
-
-
 def data_reading(skip: int = 0) -> Reading:
     """What reads the data the caller is drawing for on this thread: the sampler that splits
     among the ranks the order being drawn (not one drawing with replacement), and the dispatcher
@@ -93,22 +119,22 @@ def data_reading(skip: int = 0) -> Reading:
     frames, a few microseconds (about 0.2 us a frame): the rank checker calls it for the random
     ops it compares in a data-parallel program or one that loaded a dispatcher, which run
     outside the wrappers' forward and backward (a shuffle, a draw in the training loop)."""
+    known = _known()
     frame: FrameType | None = sys._getframe(skip + 1)
     depth = 0
     inner: list[FrameType] = []  # the samplers' __iter__ frames below the wrapper's
     order: str | None = None  # the innermost sampler's label ("" with replacement), once met
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
-        name = code.co_name
-        if name in _NAMES:
-            label, dispatcher = _label(code.co_filename, name)
+        hit = known.get(code)
+        if hit is not None:
+            label, dispatcher = hit
             if dispatcher:  # one rank reads for all, whatever splits an order below it
                 return Reading(dispatcher=label)
             if order is None:
-                if label:
-                    order = "" if any(_with_replacement(f) for f in inner) else label
-                elif name == "__iter__":
-                    inner.append(frame)
+                order = "" if any(_with_replacement(f) for f in inner) else label
+        elif order is None and code.co_name == "__iter__":
+            inner.append(frame)
         frame = frame.f_back
         depth += 1
     return Reading(order=order) if order else NOT_READING

@@ -320,8 +320,9 @@ def _seed_text(detail: Detail, event: RandomOpEvent) -> str:
 def _ignored_text(
     details: dict[int, Detail], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
 ) -> str:
-    """Random ops rngcheck does not compare (under expect("ignore"), in a data-parallel forward)
-    that drew from the generator on some ranks only, or a different number of times."""
+    """Random ops rngcheck does not compare (under expect("ignore"), in a data-parallel forward,
+    reading every rank's batches alone) that drew from the generator on some ranks only, or a
+    different number of times."""
     parts = []
     for ranks in (odd, ref):
         ignored = details[ranks[0]].uncompared
@@ -417,12 +418,24 @@ def _split_order(e: _StateEvidence) -> str:
         )
     else:
         why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
-    return (
-        f"{order} splits one order of the dataset among the ranks, and the ranks drew that order "
-        f"from {e.gen} in different states: each rank takes its share of a different order, so "
-        "this pass over the data gives some samples to two ranks and others to none. "
-        f"Why {e.gen} differs: {why}. {_ORDER_ADVICE.get(order, _DRAW_ALIKE)}{seed_alike}"
-    )
+    what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=e.gen)
+    return f"{what} Why {e.gen} differs: {why}. {_ORDER_ADVICE.get(order, _DRAW_ALIKE)}{seed_alike}"
+
+
+_SPLITS_ORDER = (
+    "{order} splits one order of the dataset among the ranks, and the ranks drew that order "
+    "from {gen} in different states: each rank takes its share of a different order, so this "
+    "pass over the data gives some samples to two ranks and others to none."
+)
+_ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
+    "accelerate's IterableDatasetShard": (
+        "{order} has every rank iterate the whole stream and keep its share of each global "
+        "batch, and the ranks drew from {gen} in different states while iterating it: a draw "
+        "that decides the stream's order or content (a shuffle, a shuffle buffer, a mix of "
+        "sources) gives each rank its share of a different stream, so this pass over the data "
+        "gives some samples to two ranks and others to none."
+    ),
+}
 
 
 _DRAW_ALIKE = (
@@ -439,6 +452,12 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     ),
     "torch's DistributedSampler": (
         "Give DistributedSampler the same seed= on every rank (it reseeds with seed + epoch itself)"
+    ),
+    "accelerate's IterableDatasetShard": (
+        "Draw the dataset's randomness from a torch.Generator kept as its generator attribute: "
+        "accelerate reseeds it alike on every rank each pass (manual_seed(epoch), when the "
+        "dataset has no set_epoch of its own); or let accelerate read the stream on one rank "
+        "(dispatch_batches=True, with batches of one size)"
     ),
 }
 
@@ -647,19 +666,27 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
         return first, known[0]
-    # A rank that read alone is the surer cause: its draws were its own, whatever the shapes.
-    alone = sorted((r, d.read_alone) for r, d in details.items() if d.read_alone)
-    if alone:
-        rank, dispatcher = alone[0]
-        return first, f"while rank {rank} alone read every rank's batches for {dispatcher}"
-    wrappers = sorted(
-        d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
-        for d in details.values()
+    forward = {  # rank -> the wrapper whose forward drew from it there (Rule 2)
+        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
+        for r, d in details.items()
         if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
-    )
-    if not wrappers:
+    }
+    readers = sorted(r for r, d in details.items() if d.read_alone)
+    # A rank that read alone is the surer cause (its draws were its own, whatever the shapes),
+    # when it explains every difference: the ranks that neither read nor drew in a forward
+    # still agree among themselves.
+    if (
+        readers
+        and len({e.before for r, e in evs.items() if r not in forward and r not in readers}) <= 1
+    ):
+        reader = readers[0]
+        return first, (
+            f"while rank {reader} alone read every rank's batches for {details[reader].read_alone}"
+        )
+    if not forward:
         return None
-    return first, f"in the forward and backward of {wrappers[0]} (each rank's own batch shapes)"
+    wrapper = sorted(forward.values())[0]
+    return first, f"in the forward and backward of {wrapper} (each rank's own batch shapes)"
 
 
 def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:
