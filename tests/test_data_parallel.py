@@ -811,28 +811,36 @@ def _partitions(results: dict[int, dict[str, Any]], epoch: int) -> bool:
     return _partition((r["seen"][epoch] for r in results.values()), 8)
 
 
+def _order_found(results: dict[int, dict[str, Any]], cause: str, advice: str) -> None:
+    """Each rank reports one finding at the scenario's shuffle (its ``line``), whose cause
+    starts with ``cause`` and gives ``advice``, after the second epoch's first step; the first
+    epoch's shares partition the data."""
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
+        assert f["cause"].startswith(cause), f["cause"]
+        assert (
+            "Why default cpu differs: the ranks drew different amounts from it in the forward "
+            "and backward of DistributedDataParallel over ranks 0-1"
+        ) in f["cause"], f["cause"]
+        assert advice in f["cause"], f["cause"]
+        assert len(r["seen"]) == 2 and len(r["seen"][1]) == 2, r["seen"]  # its first batch
+    assert _partitions(results, 0)
+
+
 def test_an_order_split_among_the_ranks_drawn_from_a_moved_apart_generator_is_found(
     two: Any,
 ) -> None:
     """Rule 5: the order accelerate's BatchSamplerShard splits is compared by state even after
     the data-parallel forward moved its generator apart (Rule 2's wake): the first epoch is
     quiet (and its shares partition the data), the second stops at its first step."""
-    results = _results(two, "ddp_sharded_order_from_a_generator_moved_apart")
-    for rank, r in results.items():
-        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
-        f = r["findings"][0]
-        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
-        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
-        assert f["cause"].startswith(
-            "accelerate's BatchSamplerShard splits one order of the dataset among the ranks"
-        ), f["cause"]
-        assert (
-            "Why default cpu differs: the ranks drew different amounts from it in the forward "
-            "and backward of DistributedDataParallel over ranks 0-1"
-        ) in f["cause"], f["cause"]
-        assert "use_seedable_sampler" in f["cause"]
-        assert len(r["seen"]) == 2 and len(r["seen"][1]) == 2, r["seen"]  # its first batch
-    assert _partitions(results, 0)
+    _order_found(
+        _results(two, "ddp_sharded_order_from_a_generator_moved_apart"),
+        "accelerate's BatchSamplerShard splits one order of the dataset among the ranks",
+        "use_seedable_sampler",
+    )
 
 
 def test_an_order_split_among_the_ranks_from_a_shared_generator_is_quiet_and_partitions(
@@ -850,18 +858,11 @@ def test_a_stream_every_rank_iterates_drawn_from_a_moved_apart_generator_is_foun
     """Rule 5 with accelerate's IterableDatasetShard: every rank iterates the whole stream, so
     its shuffle is compared by state even after the forward moved the default generator apart;
     the first pass is quiet (its shares partition the data), the second stops at its shuffle."""
-    results = _results(two, "ddp_streamed_order_from_a_generator_moved_apart")
-    for rank, r in results.items():
-        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
-        f = r["findings"][0]
-        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
-        assert f["site"] == f"test_data_parallel.py:{r['line']}", f
-        assert f["cause"].startswith(
-            "accelerate's IterableDatasetShard has every rank iterate the whole stream"
-        ), f["cause"]
-        assert "a torch.Generator kept as its generator attribute" in f["cause"], f["cause"]
-        assert len(r["seen"]) == 2 and len(r["seen"][1]) == 2, r["seen"]  # its first batch
-    assert _partitions(results, 0)
+    _order_found(
+        _results(two, "ddp_streamed_order_from_a_generator_moved_apart"),
+        "accelerate's IterableDatasetShard has every rank iterate the whole stream",
+        "a torch.Generator kept as its generator attribute",
+    )
 
 
 def test_a_stream_drawing_from_the_datasets_own_generator_is_quiet_and_partitions(
