@@ -324,6 +324,9 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
     list(Stream())
     list(accelerate.IterableDatasetShard(Stream(), batch_size=2, num_processes=2))
     assert Stream.seen == ["", "accelerate's IterableDatasetShard"]
+    transformers = pytest.importorskip("transformers.trainer_pt_utils")
+    list(transformers.IterableDatasetShard(Stream(), batch_size=2, num_processes=2))
+    assert Stream.seen[-1] == "transformers' IterableDatasetShard"
 
     # torch's DistributedSampler by its own __iter__ only: a subclass overriding it may shard
     # first (and then shuffle its share per rank), so it is not one.
@@ -396,7 +399,8 @@ def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drif
     windows = {0: [_row("randperm", 10, 20)], 1: [_row("randperm", 11, 21)]}
     spot = localise(windows, {0: Point.EXIT, 1: Point.EXIT})
     assert isinstance(spot, Spot) and spot.kind == "state"
-    for order in ("", "torch's DistributedSampler"):
+    stream = "transformers' IterableDatasetShard"
+    for order in ("", "torch's DistributedSampler", stream):
         details = {
             r: Detail(event=event(r), point="exit", drifted="DDP", order=order) for r in (0, 1)
         }
@@ -404,7 +408,11 @@ def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drif
         if order:
             assert excused == (None, None)
             cause = build_finding(spot, windows, details, (0, 1)).cause
-            assert cause.startswith("torch's DistributedSampler splits one order"), cause
+            what = (
+                "has every rank iterate the whole stream" if order == stream else "splits one order"
+            )
+            assert cause.startswith(f"{order} {what}"), cause
             assert "Why default cpu differs: the ranks drew different amounts" in cause, cause
+            assert "{" not in cause, cause
         else:
             assert excused[0] is not None  # seeded per rank: a per-rank stream

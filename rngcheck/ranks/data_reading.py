@@ -57,6 +57,11 @@ SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
     (_ACCELERATE, "BatchSamplerShard._iter_with_split"): "accelerate's BatchSamplerShard",
     (_ACCELERATE, "BatchSamplerShard._iter_with_no_split"): "accelerate's BatchSamplerShard",
     (_ACCELERATE, "IterableDatasetShard.__iter__"): "accelerate's IterableDatasetShard",
+    # (transformers' own, which its Trainer no longer uses, but scripts may)
+    (
+        "transformers.trainer_pt_utils",
+        "IterableDatasetShard.__iter__",
+    ): "transformers' IterableDatasetShard",
     # _DatasetSamplerWrapper materialises the inner sampler's order for the wrapper to split
     ("lightning.fabric.utilities.distributed", "_DatasetSamplerWrapper.reset"): _LIGHTNING,
     ("lightning.fabric.utilities.distributed", "_DatasetSamplerWrapper.__getitem__"): _LIGHTNING,
@@ -78,26 +83,31 @@ _ENTRIES = {
     **{key: (label, False) for key, label in SHARDING_SAMPLERS.items()},
     **{key: (label, True) for key, label in DISPATCHERS.items()},
 }
-_CODES: dict[CodeType, tuple[str, bool]] = {}
+# Keyed by id(): a code object hashes and compares by its contents (recursively: a module's
+# code hashes every function in it), and a frame runs this very object. Kept alive in _HELD.
+_CODES: dict[int, tuple[str, bool]] = {}
+_HELD: list[CodeType] = []
 _WAITING = {module for module, _ in _ENTRIES}  # modules not imported yet
 
 
-def _known() -> dict[CodeType, tuple[str, bool]]:
-    """The code objects of the known functions whose modules are imported by now (one that is
-    being imported is tried again at the next call; a function a version lacks stays unknown)."""
-    for module in [m for m in _WAITING if m in sys.modules]:
-        mod = sys.modules[module]
-        if getattr(getattr(mod, "__spec__", None), "_initializing", False):
+def _known() -> dict[int, tuple[str, bool]]:
+    """The code objects (by id) of the known functions whose modules are imported by now (one
+    that is being imported is tried again at the next call; a function a version lacks stays
+    unknown). Safe on several threads at once: the worst is one resolved twice, alike."""
+    for module in tuple(_WAITING):
+        mod = sys.modules.get(module)
+        if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
             continue
         for (where, qualname), entry in _ENTRIES.items():
             if where != module:
                 continue
-            obj: object = mod
-            for part in qualname.split("."):
-                obj = getattr(obj, part, None)
-            code = getattr(obj, "__code__", None)
+            owner, _, name = qualname.rpartition(".")
+            cls = getattr(mod, owner, None)
+            # the class's own function (not one it inherits), as a frame of it runs
+            code = getattr(vars(cls).get(name) if isinstance(cls, type) else None, "__code__", None)
             if isinstance(code, CodeType):
-                _CODES[code] = entry
+                _HELD.append(code)
+                _CODES[id(code)] = entry
         _WAITING.discard(module)
     return _CODES
 
@@ -126,7 +136,7 @@ def data_reading(skip: int = 0) -> Reading:
     order: str | None = None  # the innermost sampler's label ("" with replacement), once met
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
-        hit = known.get(code)
+        hit = known.get(id(code))
         if hit is not None:
             label, dispatcher = hit
             if dispatcher:  # one rank reads for all, whatever splits an order below it

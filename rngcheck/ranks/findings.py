@@ -419,7 +419,8 @@ def _split_order(e: _StateEvidence) -> str:
     else:
         why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
     what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=e.gen)
-    return f"{what} Why {e.gen} differs: {why}. {_ORDER_ADVICE.get(order, _DRAW_ALIKE)}{seed_alike}"
+    advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    return f"{what} Why {e.gen} differs: {why}. {advice}{seed_alike}"
 
 
 _SPLITS_ORDER = (
@@ -427,14 +428,22 @@ _SPLITS_ORDER = (
     "from {gen} in different states: each rank takes its share of a different order, so this "
     "pass over the data gives some samples to two ranks and others to none."
 )
+_STREAM = (
+    "{order} has every rank iterate the whole stream and keep its share of each global batch, "
+    "and the ranks drew from {gen} in different states while iterating it: a draw that decides "
+    "the stream's order or content (a shuffle, a shuffle buffer, a mix of sources) gives each "
+    "rank its share of a different stream, so this pass over the data gives some samples to "
+    "two ranks and others to none."
+)
+_STREAM_ADVICE = (
+    "Draw the dataset's randomness from a torch.Generator kept as its generator attribute, "
+    "which {order} reseeds alike on every rank each pass when the dataset has no set_epoch of "
+    "its own; or read the stream on one rank and broadcast the batches (accelerate's "
+    "dispatch_batches=True, with batches of one size)"
+)
 _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
-    "accelerate's IterableDatasetShard": (
-        "{order} has every rank iterate the whole stream and keep its share of each global "
-        "batch, and the ranks drew from {gen} in different states while iterating it: a draw "
-        "that decides the stream's order or content (a shuffle, a shuffle buffer, a mix of "
-        "sources) gives each rank its share of a different stream, so this pass over the data "
-        "gives some samples to two ranks and others to none."
-    ),
+    "accelerate's IterableDatasetShard": _STREAM,
+    "transformers' IterableDatasetShard": _STREAM,
 }
 
 
@@ -453,12 +462,8 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     "torch's DistributedSampler": (
         "Give DistributedSampler the same seed= on every rank (it reseeds with seed + epoch itself)"
     ),
-    "accelerate's IterableDatasetShard": (
-        "Draw the dataset's randomness from a torch.Generator kept as its generator attribute: "
-        "accelerate reseeds it alike on every rank each pass (manual_seed(epoch), when the "
-        "dataset has no set_epoch of its own); or let accelerate read the stream on one rank "
-        "(dispatch_batches=True, with batches of one size)"
-    ),
+    "accelerate's IterableDatasetShard": (_STREAM_ADVICE),
+    "transformers' IterableDatasetShard": _STREAM_ADVICE,
 }
 
 
@@ -667,7 +672,7 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     if known:
         return first, known[0]
     forward = {  # rank -> the wrapper whose forward drew from it there (Rule 2)
-        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
+        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY).split(f" or {DISPATCHED_WHY}")[0]
         for r, d in details.items()
         if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
     }
