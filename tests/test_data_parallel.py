@@ -1139,6 +1139,20 @@ def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround
     assert _shares_partition(fixed, 0) and _shares_partition(fixed, 1)
 
 
+def _trainer_quiet_and_unchanged(tmp_path: Any, **env: str) -> tuple[dict[str, Any], str]:
+    """The Trainer script run without rngcheck and with it (recording a report): the checked
+    run is quiet and trains bitwise as the plain one. Returns the plain run and rank 0's notes."""
+    plain = _trainer_run(tmp_path / "plain", RNGCHECK="0", **env)
+    reports = tmp_path / "reports"
+    checked = _trainer_run(tmp_path / "checked", RNGCHECK_REPORT=str(reports), **env)
+    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
+        "stderr"
+    ][-3000:]
+    assert checked["results"] == plain["results"]
+    report = json.loads((reports / "rank0.json").read_text())
+    return plain, "\n".join(n["message"] for n in report["notes"])
+
+
 def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_unchanged(
     tmp_path: Any,
 ) -> None:
@@ -1146,18 +1160,9 @@ def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_uncha
     generator: accelerate dispatches its batches, rank 0 alone iterating the dataset (so alone
     drawing its shuffle) and broadcasting every rank's batch. Correct, so quiet (it was "rank 0
     ran an extra random op"), and it trains bitwise as it does without rngcheck."""
-    plain = _trainer_run(tmp_path / "plain", RNGCHECK="0", ITERABLE="1")
+    plain, notes = _trainer_quiet_and_unchanged(tmp_path, ITERABLE="1")
     seen = [json.loads(plain["results"][r])["seen"] for r in (0, 1)]
     assert sorted(seen[0][:16]) == list(range(16)) and seen[1] == [], seen  # rank 0 reads all
-    reports = tmp_path / "reports"
-    checked = _trainer_run(tmp_path / "checked", RNGCHECK_REPORT=str(reports), ITERABLE="1")
-    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
-        "stderr"
-    ][-3000:]
-    assert checked["results"] == plain["results"]
-    notes = "\n".join(
-        n["message"] for n in json.loads((reports / "rank0.json").read_text())["notes"]
-    )
     assert (
         "rank 0 drew alone, reading every rank's batches for accelerate's DataLoaderDispatcher"
         in notes
@@ -1166,6 +1171,24 @@ def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_uncha
     assert (
         "not compared by state: default cpu after the ranks drew different amounts from it "
         "while rank 0 alone read every rank's batches"
+    ) in notes, notes
+
+
+def test_hugging_face_trainer_resumed_from_a_checkpoint_is_quiet_and_unchanged(
+    tmp_path: Any,
+) -> None:
+    """A resume: the Trainer restores each rank's own saved RNG state, which dynamic padding under
+    dropout had moved apart before the save, so the ranks' default generators differ from the
+    first step of the resumed run. Correct (the resumed run is the original's), so quiet (it was
+    "rank 1 changed default cpu outside a random op"), and bitwise as without rngcheck."""
+    original = tmp_path / "original"
+    _trainer_run(original, RNGCHECK="0", TRAIN_STEPS="6", SAVE_STEPS="2")
+    _, notes = _trainer_quiet_and_unchanged(
+        tmp_path, TRAIN_STEPS="6", RESUME=str(original / "checkpoint-4")
+    )
+    assert (
+        "not compared by state: default cpu after each rank restored a state of its own into it "
+        "(torch.random.set_rng_state(<state>) at trainer.py:"
     ) in notes, notes
 
 

@@ -237,13 +237,17 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     moved = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=forward)}
     found = data_parallel_drift(state, moved)
     assert found is not None
-    assert found[1] == f"in the forward and backward of {ddp} (each rank's own batch shapes)"
+    assert found[1] == (
+        f"the ranks drew different amounts from it in the forward and backward of {ddp} "
+        "(each rank's own batch shapes)"
+    )
     # Rule 6: a rank that read every rank's batches alone is the surer cause (rank 1 here).
     dispatcher = "accelerate's DataLoaderDispatcher"
     read = {0: detail(11, uncompared=forward), 1: detail(15, read_alone=dispatcher)}
     found = data_parallel_drift(state, read)
     assert found is not None and found[1] == (
-        f"while rank 1 alone read every rank's batches for {dispatcher}"
+        f"the ranks drew different amounts from it while rank 1 alone read every rank's "
+        f"batches for {dispatcher}"
     )
     # ... only when it explains every difference: on 3 ranks, rank 2 differing from rank 1
     # too (neither read nor drew in a forward) is a divergence of its own.
@@ -260,6 +264,28 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     call = SeedCall(api="torch.manual_seed", argument="99", stack=site)
     reseeded = {0: detail(11, drifted=ddp), 1: detail(15, oob=OutOfBandChange(calls=(call,)))}
     assert data_parallel_drift(state, reseeded) is None
+    # A resume: every rank of a data-parallel program restored a state of its own (each rank's
+    # saved state, which the forward had moved apart before the save).
+    restore = SeedCall(api="torch.random.set_rng_state", argument="<state>", stack=site)
+    resumed = {
+        r: detail(11 + 4 * r, oob=OutOfBandChange(calls=(call, restore)), wrappers=(ddp,))
+        for r in (0, 1)
+    }
+    found = data_parallel_drift(state, resumed)
+    assert found is not None and found[1].startswith(
+        "each rank restored a state of its own into it (torch.random.set_rng_state(<state>) "
+        "at train.py:57"
+    ), found
+    # ... not when one rank alone restored (its own stale state), nor outside data parallelism,
+    # nor after seeds (per-rank seeds are Rule 3's, decided before).
+    alone = {0: detail(11, wrappers=(ddp,)), 1: resumed[1]}
+    assert data_parallel_drift(state, alone) is None
+    plain = {r: detail(11 + 4 * r, oob=OutOfBandChange(calls=(restore,))) for r in (0, 1)}
+    assert data_parallel_drift(state, plain) is None
+    seeded = {
+        r: detail(11 + 4 * r, oob=OutOfBandChange(calls=(call,)), wrappers=(ddp,)) for r in (0, 1)
+    }
+    assert data_parallel_drift(state, seeded) is None
 
 
 class _Recording(torch.utils.data.Sampler):
@@ -400,9 +426,10 @@ def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drif
     spot = localise(windows, {0: Point.EXIT, 1: Point.EXIT})
     assert isinstance(spot, Spot) and spot.kind == "state"
     stream = "transformers' IterableDatasetShard"
+    moved = "the ranks drew different amounts from it in the forward and backward of DDP"
     for order in ("", "torch's DistributedSampler", stream):
         details = {
-            r: Detail(event=event(r), point="exit", drifted="DDP", order=order) for r in (0, 1)
+            r: Detail(event=event(r), point="exit", drifted=moved, order=order) for r in (0, 1)
         }
         excused = (per_rank_seeding(spot, details), data_parallel_drift(spot, details))
         if order:

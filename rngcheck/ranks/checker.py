@@ -495,10 +495,10 @@ class RankChecker:
         out.extend(
             Note(
                 kind="not_compared",
-                message=f"not compared by state: {generator} after the ranks drew different "
-                f"amounts from it {how}; its later random ops are compared by what runs, until "
-                "it is reseeded. It differs across ranks from there: draw replicated decisions "
-                "(a shuffle, a sampled task) from a generator of their own.",
+                message=f"not compared by state: {generator} after {how}; its later random ops "
+                "are compared by what runs, until it is reseeded. It differs across ranks from "
+                "there: draw replicated decisions (a shuffle, a sampled task) from a generator of "
+                "their own.",
             )
             for generator, how in self._drift_notes.values()
         )

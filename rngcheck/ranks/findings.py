@@ -48,9 +48,9 @@ class Detail:
     seed_calls: tuple[SeedCall, ...] = ()  # the user's seeding calls that reached the generator
     uncompared: Uncompared | None = None
     wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
-    # How the ranks moved the op's generator apart ("in the forward and backward of DDP over
-    # ranks 0-1 (...)"), if this rank compares that generator by what runs only (Rule 2's wake,
-    # Rule 6); "" when it does not.
+    # How the ranks moved the op's generator apart ("the ranks drew different amounts from it in
+    # the forward and backward of DDP over ranks 0-1 (...)"), if this rank compares that
+    # generator by what runs only (Rule 2's wake, Rule 6, a resume); "" when it does not.
     drifted: str = ""
     # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
     order: str = ""
@@ -405,10 +405,7 @@ def _split_order(e: _StateEvidence) -> str:
     ref = e.ref.event
     seed_alike = ""
     if drifted:
-        why = (
-            f"the ranks drew different amounts from it {drifted}, and it differs across ranks "
-            "from there"
-        )
+        why = f"{drifted}, and it differs across ranks from there"
     elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
         if order not in _ORDER_ADVICE:
             seed_alike = ", or seed that generator alike on every rank"
@@ -654,9 +651,11 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     """When the ranks' states differ at ``spot`` because the generator drew in a data-parallel
     forward or backward since its last compared op (Rule 2: each rank drew for its own batch,
     so per-rank shapes, variable-length batches under dropout, moved it apart), or while one
-    rank read every rank's batches (Rule 6), that generator (one rank's event of it) and how the
-    ranks moved it apart ("in the forward and backward of ..."); else None. Not when a rank's op
-    follows a seeding call of the user's: that is the divergence to report. A generator some
+    rank read every rank's batches (Rule 6), or as every rank restored a state of its own (a
+    resume), that generator (one rank's event of it) and how the ranks moved it apart ("the ranks
+    drew different amounts from it in the forward and backward of ..."); else None. Not when a
+    rank's op follows another seeding call of the user's: that is the divergence to report. A
+    generator some
     rank found so before (``Detail.drifted``: its rows sent before every rank knew still carry
     states) is one too. Decided from the gathered details only, so every rank decides alike
     (P5)."""
@@ -665,9 +664,12 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     evs = {r: d.event for r, d in details.items() if d.event is not None}
     if len(evs) < 2 or len({gen_key(e) for e in evs.values()}) > 1:
         return None
+    first = evs[min(evs)]
+    restored = _restored_per_rank(evs, details)
+    if restored:
+        return first, restored
     if any(_reseeded_by_user(e) for e in evs.values()):
         return None
-    first = evs[min(evs)]
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
         return first, known[0]
@@ -686,12 +688,41 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     ):
         reader = readers[0]
         return first, (
-            f"while rank {reader} alone read every rank's batches for {details[reader].read_alone}"
+            f"{_DREW_APART} while rank {reader} alone read every rank's batches for "
+            f"{details[reader].read_alone}"
         )
     if not forward:
         return None
     wrapper = sorted(forward.values())[0]
-    return first, f"in the forward and backward of {wrapper} (each rank's own batch shapes)"
+    return (
+        first,
+        f"{_DREW_APART} in the forward and backward of {wrapper} (each rank's own batch shapes)",
+    )
+
+
+_DREW_APART = "the ranks drew different amounts from it"
+
+
+def _restored_per_rank(evs: dict[int, RandomOpEvent], details: dict[int, Detail]) -> str:
+    """When, in a data-parallel program, every rank restored a state of its own into the
+    generator just before (a resume: Hugging Face's Trainer and accelerate's load_state load
+    each rank's saved RNG state, which a data-parallel forward may have moved apart before the
+    save), how, in words; else "". Not when some ranks restored and others did not (one rank
+    resuming from its own stale state is the bug), nor after a seed (per-rank seeds are
+    Rule 3's)."""
+    if len(evs) < len(details) or not all(d.wrappers for d in details.values()):
+        return ""
+    last = {}
+    for r, e in evs.items():
+        calls = e.out_of_band.user_calls if e.out_of_band is not None else ()
+        if not calls or calls[-1].argument != "<state>":
+            return ""
+        last[r] = calls[-1]
+    call = last[min(last)]
+    return (
+        f"each rank restored a state of its own into it ({call.text}; a resume loads each "
+        "rank's saved state)"
+    )
 
 
 def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:

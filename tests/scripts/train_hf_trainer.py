@@ -20,6 +20,9 @@ workaround: accelerate then gives the sampler a generator and synchronises it ea
 batches, rank 0 alone iterating the dataset and broadcasting each global batch, so only rank 0
 draws that shuffle (correct). Batches are padded to one fixed length there, as dispatching
 requires.
+
+``SAVE_STEPS=N`` saves a checkpoint every N steps (the Trainer saves each rank's RNG state with
+it), and ``RESUME=<checkpoint>`` resumes from one (each rank restores its own saved state).
 """
 
 import hashlib
@@ -36,6 +39,7 @@ import transformers  # noqa: E402
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
 ITERABLE = os.environ.get("ITERABLE") == "1"
+SAVE_STEPS = int(os.environ.get("SAVE_STEPS", "0"))
 SEEN: list[int] = []  # the samples this rank trained on, in order (collated in this process)
 INDEX: dict[int, int] = {}  # id() of a sample's tensor -> its index
 
@@ -90,7 +94,8 @@ def main() -> None:
         report_to=[],
         use_cpu=True,
         seed=0,
-        save_strategy="no",
+        save_strategy="steps" if SAVE_STEPS else "no",
+        save_steps=SAVE_STEPS or 500,
         disable_tqdm=True,
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         train_sampling_strategy="group_by_length"
@@ -106,7 +111,7 @@ def main() -> None:
         train_dataset=Shuffled() if ITERABLE else Tokens(),
         data_collator=pad_to_longest,
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
     digest = hashlib.sha256()
     for p in model.parameters():
         digest.update(p.detach().contiguous().numpy().tobytes())
