@@ -280,6 +280,13 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     # nor after seeds (per-rank seeds are Rule 3's, decided before).
     alone = {0: detail(11, wrappers=(ddp,)), 1: resumed[1]}
     assert data_parallel_drift(state, alone) is None
+    # At the generator's first op under the mode the restore is among its seeding calls.
+    first = {r: detail(11 + 4 * r, seed_calls=(call, restore), wrappers=(ddp,)) for r in (0, 1)}
+    assert data_parallel_drift(state, first) is not None
+    # Restored by different calls (or lines) on different ranks: not one resume.
+    elsewhere = SeedCall(api="torch.set_rng_state", argument="<state>", stack=site)
+    mixed = {**resumed, 1: detail(15, oob=OutOfBandChange(calls=(elsewhere,)), wrappers=(ddp,))}
+    assert data_parallel_drift(state, mixed) is None
     plain = {r: detail(11 + 4 * r, oob=OutOfBandChange(calls=(restore,))) for r in (0, 1)}
     assert data_parallel_drift(state, plain) is None
     seeded = {

@@ -402,9 +402,10 @@ class RankChecker:
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
         drifted = self._drifted.get(gen) if self._drifted else None
         if drifted is not None:
-            if event.seed == drifted[0]:
+            oob = event.out_of_band
+            if event.seed == drifted[0] and not (oob is not None and oob.user_calls):
                 rebased = True
-            else:  # reseeded since: its states are compared again
+            else:  # reseeded or restored since (by the user): its states are compared again
                 del self._drifted[gen]
         rebased = rebased and not order
         row = Row(

@@ -655,10 +655,9 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     resume), that generator (one rank's event of it) and how the ranks moved it apart ("the ranks
     drew different amounts from it in the forward and backward of ..."); else None. Not when a
     rank's op follows another seeding call of the user's: that is the divergence to report. A
-    generator some
-    rank found so before (``Detail.drifted``: its rows sent before every rank knew still carry
-    states) is one too. Decided from the gathered details only, so every rank decides alike
-    (P5)."""
+    generator some rank found so before (``Detail.drifted``: its rows sent before every rank
+    knew still carry states) is one too. Decided from the gathered details only, so every rank
+    decides alike (P5)."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
         return None
     evs = {r: d.event for r, d in details.items() if d.event is not None}
@@ -707,17 +706,21 @@ def _restored_per_rank(evs: dict[int, RandomOpEvent], details: dict[int, Detail]
     """When, in a data-parallel program, every rank restored a state of its own into the
     generator just before (a resume: Hugging Face's Trainer and accelerate's load_state load
     each rank's saved RNG state, which a data-parallel forward may have moved apart before the
-    save), how, in words; else "". Not when some ranks restored and others did not (one rank
-    resuming from its own stale state is the bug), nor after a seed (per-rank seeds are
-    Rule 3's)."""
+    save), how, in words; else "". The restore is the last of the user's seeding calls that
+    reached the generator since its last op, or, at its first op under the mode, since the mode
+    started. Not when some ranks restored and others did not (one rank resuming from its own
+    stale state is the bug), nor when the ranks restored by different calls or lines, nor after
+    a seed (per-rank seeds are Rule 3's)."""
     if len(evs) < len(details) or not all(d.wrappers for d in details.values()):
         return ""
     last = {}
     for r, e in evs.items():
-        calls = e.out_of_band.user_calls if e.out_of_band is not None else ()
+        calls = e.out_of_band.user_calls if e.out_of_band is not None else details[r].seed_calls
         if not calls or calls[-1].argument != "<state>":
             return ""
         last[r] = calls[-1]
+    if len({(c.api, c.stack.describe()) for c in last.values()}) > 1:
+        return ""
     call = last[min(last)]
     return (
         f"each rank restored a state of its own into it ({call.text}; a resume loads each "
