@@ -243,7 +243,8 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     )
     # Rule 6: a rank that read every rank's batches alone is the surer cause (rank 1 here).
     dispatcher = "accelerate's DataLoaderDispatcher"
-    read = {0: detail(11, uncompared=forward), 1: detail(15, read_alone=dispatcher)}
+    reading = Uncompared(3, "aten.randperm.default", "data.py:4", "x", read_alone=dispatcher)
+    read = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=reading)}
     found = data_parallel_drift(state, read)
     assert found is not None and found[1] == (
         f"the ranks drew different amounts from it while rank 1 alone read every rank's "
@@ -251,7 +252,7 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     )
     # ... only when it explains every difference: on 3 ranks, rank 2 differing from rank 1
     # too (neither read nor drew in a forward) is a divergence of its own.
-    three = {0: detail(11, read_alone=dispatcher), 1: detail(15), 2: detail(15)}
+    three = {0: detail(11, uncompared=reading), 1: detail(15), 2: detail(15)}
     assert data_parallel_drift(state, three) is not None
     three[2] = detail(17)
     assert data_parallel_drift(state, three) is None

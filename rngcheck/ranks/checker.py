@@ -88,10 +88,7 @@ class _Unchecked(NamedTuple):
     read_alone: str = ""  # a dispatcher one of them read every rank's batches for (Rule 6)
 
     def public(self) -> Uncompared:
-        why = self.why
-        if self.read_alone and not why.startswith(DISPATCHED_WHY):  # the ops had both reasons
-            why = f"{why} or {DISPATCHED_WHY}{self.read_alone}"
-        return Uncompared(self.ops, self.event.op, self.event.site, why)
+        return Uncompared(self.ops, self.event.op, self.event.site, self.why, self.read_alone)
 
 
 @dataclass(slots=True)
@@ -683,7 +680,6 @@ class RankChecker:
                 if event is not None
                 else "",
                 order=sent.orders.get(index, "") if not init else "",
-                read_alone=unchecked.read_alone if unchecked is not None and not init else "",
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()

@@ -37,6 +37,15 @@ class Uncompared(NamedTuple):
     op: str  # the last of them
     site: str
     why: str  # "under expect('ignore')", "in the data-parallel forward/backward of ...", ...
+    # The dispatcher the rank read every rank's batches for in some of them (Rule 6), or "".
+    read_alone: str = ""
+
+    @property
+    def reasons(self) -> str:
+        """Why, in words: the last op's reason, and the reading's when some of them read."""
+        if self.read_alone and not self.why.startswith(DISPATCHED_WHY):
+            return f"{self.why} or {DISPATCHED_WHY}{self.read_alone}"
+        return self.why
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,9 +63,6 @@ class Detail:
     drifted: str = ""
     # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
     order: str = ""
-    # The dispatcher this rank read every rank's batches for, drawing from the op's generator,
-    # since its last compared op (Rule 6); "" when none.
-    read_alone: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,7 +73,6 @@ class Detail:
             "wrappers": list(self.wrappers),
             "drifted": self.drifted,
             "order": self.order,
-            "read_alone": self.read_alone,
         }
 
     @classmethod
@@ -81,7 +86,6 @@ class Detail:
             wrappers=tuple(data.get("wrappers", ())),
             drifted=str(data.get("drifted", "")),
             order=str(data.get("order", "")),
-            read_alone=str(data.get("read_alone", "")),
         )
 
 
@@ -327,10 +331,9 @@ def _ignored_text(
     for ranks in (odd, ref):
         ignored = details[ranks[0]].uncompared
         if ignored:
-            count, op, site, why = ignored
             parts.append(
-                f"{_ranks_word(ranks)} drew {count} random op(s) {why} from {gen} "
-                f"since its last checked op (the last: {op} at {site})"
+                f"{_ranks_word(ranks)} drew {ignored.ops} random op(s) {ignored.reasons} from "
+                f"{gen} since its last checked op (the last: {ignored.op} at {ignored.site})"
             )
         else:
             parts.append(f"{_ranks_word(ranks)} drew none")
@@ -459,7 +462,7 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     "torch's DistributedSampler": (
         "Give DistributedSampler the same seed= on every rank (it reseeds with seed + epoch itself)"
     ),
-    "accelerate's IterableDatasetShard": (_STREAM_ADVICE),
+    "accelerate's IterableDatasetShard": _STREAM_ADVICE,
     "transformers' IterableDatasetShard": _STREAM_ADVICE,
 }
 
@@ -673,11 +676,12 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     if known:
         return first, known[0]
     forward = {  # rank -> the wrapper whose forward drew from it there (Rule 2)
-        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY).split(f" or {DISPATCHED_WHY}")[0]
+        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
         for r, d in details.items()
         if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
     }
-    readers = sorted(r for r, d in details.items() if d.read_alone)
+    alone = {r: d.uncompared.read_alone for r, d in details.items() if d.uncompared is not None}
+    readers = sorted(r for r, dispatcher in alone.items() if dispatcher)
     # A rank that read alone is the surer cause (its draws were its own, whatever the shapes),
     # when it explains every difference: the ranks that neither read nor drew in a forward
     # still agree among themselves.
@@ -687,8 +691,7 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     ):
         reader = readers[0]
         return first, (
-            f"{_DREW_APART} while rank {reader} alone read every rank's batches for "
-            f"{details[reader].read_alone}"
+            f"{_DREW_APART} while rank {reader} alone read every rank's batches for {alone[reader]}"
         )
     if not forward:
         return None
