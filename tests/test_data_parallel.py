@@ -484,6 +484,34 @@ def ddp_dispatched_batches_then_rank0_draws_for_its_logs(rank: int, world: int) 
     return _summary(mode, seen=seen)
 
 
+def ddp_collator_masks_each_ranks_own_batch(rank: int, world: int) -> dict[str, Any]:
+    """Rule 7: torch's DistributedSampler gives each rank its share of 8 sequences of different
+    lengths; the collator pads each batch to its longest and masks its tokens from the default
+    generator (as Hugging Face's DataCollatorForLanguageModeling does), over each rank's own
+    batch shapes. Correct: the masks are each rank's own. The model has no dropout, so only the
+    collator moves the default generator apart."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    with _mode() as mode:
+        model = DDP(torch.nn.Linear(8, 8))
+        data = [(i, torch.ones(n, 8)) for i, n in enumerate(_Stream.LENGTHS)]
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            data, num_replicas=world, rank=rank, seed=3
+        )
+
+        def pad_and_mask(batch: list[Any]) -> tuple[list[int], torch.Tensor]:
+            x = torch.nn.utils.rnn.pad_sequence([x for _, x in batch], batch_first=True)
+            keep = torch.bernoulli(torch.full(x.shape[:2], 0.85))  # this batch's own shape
+            return [i for i, _ in batch], x * keep[..., None]
+
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=2, sampler=sampler, collate_fn=pad_and_mask
+        )
+        seen = _two_epochs(model, loader, sampler.set_epoch)
+    return _summary(mode, seen=seen)
+
+
 def ddp_one_rank_reseeds_mid_training(rank: int, world: int) -> dict[str, Any]:
     """The bug: every rank seeds alike, then rank 1 alone reseeds (a resume that restores its
     own state): the replicated shuffle after it differs. Not a per-rank stream: the ranks'
@@ -695,6 +723,7 @@ SCENARIOS = [
     "ddp_streamed_order_from_the_datasets_generator",
     "ddp_dispatched_batches_read_on_one_rank",
     "ddp_dispatched_batches_then_rank0_draws_for_its_logs",
+    "ddp_collator_masks_each_ranks_own_batch",
     "hand_written_allreduce_seed_plus_rank",
     "ddp_without_init_sync_seed_plus_rank",
     "fsdp_seed_plus_rank",
@@ -738,6 +767,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_sharded_order_from_a_generator_of_its_own",
         "ddp_dispatched_batches_read_on_one_rank",
         "ddp_streamed_order_from_the_datasets_generator",
+        "ddp_collator_masks_each_ranks_own_batch",
         "fully_shard_same_seed_dropout",
     ],
 )
@@ -912,6 +942,25 @@ def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) ->
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "while rank 0 alone read every rank's batches for accelerate's DataLoaderDispatcher"
         ) in text, text
+
+
+def test_a_collators_draws_over_each_ranks_own_batch_are_its_own_and_said(two: Any) -> None:
+    """Rule 7: what a collator draws for the batch of a rank's own share (torch's
+    DistributedSampler) is not compared, and the default generator its per-rank shapes moved
+    apart is compared by what runs from there (the next epoch's DataLoader seed); the report says
+    both, and every epoch's shares partition the data."""
+    results = _results(two, "ddp_collator_masks_each_ranks_own_batch")
+    assert _partitions(results, 0) and _partitions(results, 1)
+    for rank, r in results.items():
+        notes = "\n".join(r["notes"])
+        assert (
+            f"random op(s) drawn while loading rank {rank}'s own share of the data, split among "
+            "the ranks by torch's DistributedSampler"
+        ) in notes, notes
+        assert (
+            "not compared by state: default cpu after the ranks drew different amounts from it "
+            "while each loaded its own share of the data, split by torch's DistributedSampler"
+        ) in notes, notes
 
 
 def test_a_random_op_of_the_reading_rank_outside_the_reading_is_still_found(two: Any) -> None:
@@ -1190,6 +1239,21 @@ def test_hugging_face_trainer_resumed_from_a_checkpoint_is_quiet_and_unchanged(
     assert (
         "not compared by state: default cpu after each rank restored a state of its own into it "
         "(torch.random.set_rng_state(<state>) at trainer.py:"
+    ) in notes, notes
+
+
+def test_hugging_face_trainer_masked_language_modelling_is_quiet_and_unchanged(
+    tmp_path: Any,
+) -> None:
+    """Rule 7 on Hugging Face's Trainer training BERT with DataCollatorForLanguageModeling: the
+    collator masks each rank's own batch, padded to its own longest sequence, from the default
+    generator. Correct, so quiet (it was "the ranks ran aten.bernoulli.default at
+    data_collator.py with different arguments"), and bitwise as without rngcheck."""
+    plain, notes = _trainer_quiet_and_unchanged(tmp_path, MLM="1")
+    assert _shares_partition(plain, 0) and _shares_partition(plain, 1)
+    assert (
+        "random op(s) drawn while loading rank 0's own share of the data, split among the ranks "
+        "by accelerate's BatchSamplerShard"
     ) in notes, notes
 
 

@@ -4,6 +4,8 @@ on every rank after a mismatch, so plain data in, plain data out is all they nee
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -394,20 +396,115 @@ def test_a_dispatcher_reading_every_ranks_batches_is_known_whatever_splits_below
     accelerate = pytest.importorskip("accelerate.data_loader")
     from accelerate.state import PartialState
 
-    from rngcheck.ranks.data_reading import NOT_READING, Reading
+    from rngcheck.ranks.data_reading import NOT_READING, Reading, data_reading
 
     sampler = _Recording()
     list(torch.utils.data.DataLoader(range(4), sampler=sampler, batch_size=2))
     assert sampler.readings == [NOT_READING]
+    collated: list[Reading] = []
+
+    def collate(batch: list[int]) -> torch.Tensor:
+        collated.append(data_reading())  # (Rule 7 would know the shard below: Rule 6 wins)
+        return torch.tensor(batch)
+
     try:
         list(accelerate.DataLoaderDispatcher(list(range(4)), batch_size=2, sampler=sampler))
         batches = torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False)
         shard = accelerate.BatchSamplerShard(batches, num_processes=2, process_index=0)
-        list(accelerate.DataLoaderDispatcher(list(range(4)), batch_sampler=shard))
+        list(
+            accelerate.DataLoaderDispatcher(list(range(4)), batch_sampler=shard, collate_fn=collate)
+        )
     finally:
         PartialState._reset_state()  # the dispatcher made accelerate's process state
     dispatched = Reading(dispatcher="accelerate's DataLoaderDispatcher")
     assert sampler.readings[1:] == [dispatched, dispatched]
+    assert collated and set(collated) == {dispatched}, collated
+
+
+def _share() -> str:
+    from rngcheck.ranks.data_reading import data_reading
+
+    return data_reading(skip=1).share
+
+
+class _Shares(torch.utils.data.Dataset):
+    """``n`` samples; records, as each is read, what rngcheck sees splitting the data (Rule 7)."""
+
+    def __init__(self, n: int = 4) -> None:
+        self.n, self.seen = n, []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.seen.append(_share())
+        return i
+
+
+def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() -> None:
+    """Rule 7 knows a batch read for this rank's own share (its dataset's __getitem__ and its
+    collate_fn, under torch's fetcher) from what splits the loader's data among the ranks: a
+    sampler in the chain from its index sampler, or its dataset, holding a rank and a number of
+    ranks above one. Not a loader whose data is not split, nor the sampler's own iteration, nor
+    a stream every rank iterates whole (Rule 5's); a dispatcher wins (Rule 6)."""
+    from rngcheck.ranks.data_reading import NOT_READING, data_reading
+
+    collated: list[str] = []
+
+    def collate(batch: list[int]) -> list[int]:
+        collated.append(_share())
+        return batch
+
+    def read(loader: Any) -> tuple[list[str], list[str]]:
+        dataset, collated[:] = loader.dataset, []
+        dataset.seen[:] = []
+        list(loader)
+        return sorted(set(dataset.seen)), sorted(set(collated))
+
+    plain = torch.utils.data.DataLoader(_Shares(), batch_size=2, collate_fn=collate)
+    assert read(plain) == ([""], [""])
+    for replicas, label in ((1, ""), (2, "torch's DistributedSampler")):
+        data = _Shares()
+        split = torch.utils.data.DistributedSampler(data, num_replicas=replicas, rank=0)
+        loader = torch.utils.data.DataLoader(data, 2, sampler=split, collate_fn=collate)
+        assert read(loader) == ([label], [label]), replicas
+    sampler = _Recording()  # the sampler's own iteration is no batch read
+    list(torch.utils.data.DataLoader(_Shares(), 2, sampler=sampler, collate_fn=collate))
+    assert sampler.readings == [NOT_READING]
+
+    class Megatron(torch.utils.data.Sampler):  # a batch sampler of Megatron-LM's pattern
+        data_parallel_size, data_parallel_rank = 2, 1
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from ([0, 1], [2, 3])
+
+    megatron = torch.utils.data.DataLoader(_Shares(), batch_sampler=Megatron())
+    assert read(megatron)[0] == ["test_ranks_unit's Megatron"]
+
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    shard = accelerate.prepare_data_loader(
+        torch.utils.data.DataLoader(_Shares(8), 2, shuffle=True, collate_fn=collate),
+        num_processes=2,
+        process_index=1,
+        put_on_device=False,
+    )
+    ours = "accelerate's BatchSamplerShard"
+    assert read(shard) == ([ours], [ours])
+    assert read(accelerate.skip_first_batches(shard, 1)) == ([ours], [ours])
+
+    class Stream(torch.utils.data.IterableDataset):
+        seen: list[Any] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.seen.append(data_reading())
+            yield from range(4)
+
+    stream = accelerate.IterableDatasetShard(Stream(), batch_size=2, num_processes=2)
+    collated[:] = []
+    list(torch.utils.data.DataLoader(stream, batch_size=2, collate_fn=collate))
+    assert collated == ["accelerate's IterableDatasetShard"]  # the rank's own batch
+    shuffled = Stream.seen[-1]  # ... while what the stream draws is Rule 5's order
+    assert (shuffled.order, shuffled.share) == ("accelerate's IterableDatasetShard", "")
 
 
 def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drift() -> None:

@@ -4,10 +4,11 @@
 Rows wait in the pending window until an exchange point: every random op (``sync="op"``) or
 optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
 torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
-compared follows the data-parallel rules (Rules 1 to 6, docs/data-parallel.md):
-ops of a data-parallel forward/backward, of per-rank streams and of one rank reading every rank's
-batches are not compared, parameter initialisations are settled at the first step unless a
-wrapper broadcast them, and an order a sampler splits among the ranks is compared by state.
+compared follows the data-parallel rules (Rules 1 to 7, docs/data-parallel.md):
+ops of a data-parallel forward/backward, of per-rank streams, of one rank reading every rank's
+batches and of a rank loading its own share of the data are not compared, parameter
+initialisations are settled at the first step unless a wrapper broadcast them, and an order a
+sampler splits among the ranks is compared by state.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
     DISPATCHED_WHY,
+    SHARE_WHY,
     Detail,
     Uncompared,
     build_finding,
@@ -167,18 +169,21 @@ class RankChecker:
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
         # initialisations are settled at the first step, unless a wrapper broadcast them;
         # Rule 5, an order a sampler splits among the ranks is compared by state; Rule 6, the
-        # ops of one rank reading every rank's batches are not compared (data_reading.py).
+        # ops of one rank reading every rank's batches are not compared; Rule 7, nor those of a
+        # rank loading its own share of the data (data_reading.py).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
         # Rule 2's wake: a generator the ranks moved apart in a data-parallel forward/backward
-        # (per-rank shapes), or one rank alone reading every rank's batches (Rule 6), is compared
-        # by what runs, not by state, until it is reseeded.
+        # (per-rank shapes), loading their own shares of the data (Rule 7), or one rank alone
+        # reading every rank's batches (Rule 6), is compared by what runs, not by state, until it
+        # is reseeded.
         # gen_key -> (its initial seed on this rank then, how the ranks moved it apart).
         self._drifted: dict[str, tuple[int | None, str]] = {}
-        # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rule 6)
+        # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rules 6 and 7)
         self._drift_notes: dict[str, tuple[str, str]] = {}
         self._read_alone: dict[str, int] = {}  # dispatcher -> random ops this rank read for all
+        self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
@@ -349,7 +354,8 @@ class RankChecker:
         """Why this op is not compared across ranks ("" when it is), and the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
         program only). The frames are walked once, in a data-parallel program or one that
-        loaded a dispatcher (Rule 6), and not for the ops of a wrapper's forward."""
+        loaded a dispatcher (Rule 6), and not for the ops of a wrapper's forward; a batch of the
+        rank's own share being read (Rule 7) is known there too."""
         if event.expect == "ignore":
             return "under expect('ignore')", ""
         if mesh is not None:
@@ -370,6 +376,9 @@ class RankChecker:
             self._read_alone[dispatcher] = self._read_alone.get(dispatcher, 0) + 1
             return f"{DISPATCHED_WHY}{dispatcher}", ""
         order = reading.order if self._dp.wrappers else ""
+        if reading.share and not (declared or order) and self._dp.wrappers:  # Rule 7
+            self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
+            return f"{SHARE_WHY}{reading.share}", ""
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return "on a per-rank stream", ""
         return "", order
@@ -489,6 +498,17 @@ class RankChecker:
                 count=count,
             )
             for dispatcher, count in self._read_alone.items()
+        )
+        out.extend(
+            Note(
+                kind="not_compared",
+                message=f"not compared: {count} random op(s) drawn while loading rank "
+                f"{self.rank}'s own share of the data, split among the ranks by {split} (a "
+                "dataset's or collator's draws for the rank's own samples: each rank draws for "
+                "its own batch).",
+                count=count,
+            )
+            for split, count in self._shares.items()
         )
         out.extend(
             Note(
@@ -707,7 +727,7 @@ class RankChecker:
                 drift = data_parallel_drift(spot, details)
                 if drift is None:
                     return finding
-                # Rule 2's wake (and Rule 6's): from here this generator is compared by what
+                # Rule 2's wake (and Rules 6 and 7's): from here this generator is compared by what
                 # runs, not by state (until it is reseeded); this round is judged again without
                 # its states.
                 event_d, how = drift

@@ -1,5 +1,6 @@
 """How the ranks read their data: samplers that split one order among them (Rule 5 of
-docs/data-parallel.md), and a dispatcher that reads every rank's batches on one rank (Rule 6).
+docs/data-parallel.md), a dispatcher that reads every rank's batches on one rank (Rule 6), and a
+rank's own share of the data being read (Rule 7).
 
 **Rule 5.** accelerate's ``BatchSamplerShard`` (what Hugging Face's Trainer uses), Lightning's
 ``DistributedSamplerWrapper`` and torch's ``DistributedSampler`` each make every rank walk the
@@ -33,6 +34,16 @@ random ops drawn there (the sampler's shuffle, a dataset's augmentation or shuff
 collator's masking) are that rank's alone by design: not compared across the ranks. A generator
 they drew from then differs across the ranks (the default generator, when the sampler or the
 dataset draws from it), and is compared by what runs, not by state, as after Rule 2.
+
+**Rule 7.** A random op drawn while torch's DataLoader fetches a batch in this process (its
+fetcher: the dataset's ``__getitem__`` or iteration, then the ``collate_fn``) from data split
+among the ranks (the loader's sampler, or its dataset, holds a rank and a number of ranks above
+one: torch's ``DistributedSampler`` and its subclasses, accelerate's ``BatchSamplerShard`` and
+``IterableDatasetShard``, samplers of the same pattern) is drawn for this rank's own samples: a
+collator's masking (Hugging Face's ``DataCollatorForLanguageModeling``), an augmentation, each
+over the rank's own batch shapes. Not compared across the ranks, as Rule 2 leaves a
+data-parallel forward's draws; a generator they moved apart is compared by what runs, not by
+state. What the stream itself draws under ``IterableDatasetShard`` is still Rule 5's.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from typing import NamedTuple
 
 __all__ = [
     "DISPATCHERS",
+    "FETCHING",
     "DISPATCHER_MODULES",
     "NOT_READING",
     "SHARDING_SAMPLERS",
@@ -75,22 +87,39 @@ DISPATCHERS: dict[tuple[str, str], str] = {
     (_ACCELERATE, "DataLoaderDispatcher._fetch_batches"): "accelerate's DataLoaderDispatcher",
 }
 DISPATCHER_MODULES = tuple({module for module, _ in DISPATCHERS})  # where a dispatcher lives
+# (a module, a function's qualified name in it) -> what it is, for Rule 7: torch's fetchers (a
+# batch read from the dataset and collated, in this process) and the single-process DataLoader
+# iterator that calls them (it holds the loader's sampler and dataset)
+_DATA = "torch.utils.data"
+FETCHING: dict[tuple[str, str], str] = {
+    (f"{_DATA}._utils.fetch", "_MapDatasetFetcher.fetch"): "fetch",
+    (f"{_DATA}._utils.fetch", "_IterableDatasetFetcher.fetch"): "fetch",
+    (f"{_DATA}.dataloader", "_SingleProcessDataLoaderIter._next_data"): "loader",
+}
 _MAX_DEPTH = 256  # frames walked at most (a sampler iterates a few frames above the op)
+_SAMPLER_DEPTH = 6  # samplers followed at most from a loader (batch sampler, skip, shard, ...)
+# (the number of ranks, this rank's index among them), as the samplers that split data name them
+_SPLITS = (
+    ("num_replicas", "rank"),  # torch's DistributedSampler and its kind
+    ("num_processes", "process_index"),  # accelerate's shards
+    ("data_parallel_size", "data_parallel_rank"),  # Megatron-LM's samplers
+)
 
 # The functions above by their code objects (a frame runs one exactly: a subclass overriding
-# the method runs its own), resolved as their modules are imported: code -> (label, dispatcher)
+# the method runs its own), resolved as their modules are imported: code -> (label, kind)
 _ENTRIES = {
-    **{key: (label, False) for key, label in SHARDING_SAMPLERS.items()},
-    **{key: (label, True) for key, label in DISPATCHERS.items()},
+    **{key: (label, "order") for key, label in SHARDING_SAMPLERS.items()},
+    **{key: (label, "dispatcher") for key, label in DISPATCHERS.items()},
+    **{key: ("", kind) for key, kind in FETCHING.items()},
 }
 # Keyed by id(): a code object hashes and compares by its contents (recursively: a module's
 # code hashes every function in it), and a frame runs this very object. Kept alive in _HELD.
-_CODES: dict[int, tuple[str, bool]] = {}
+_CODES: dict[int, tuple[str, str]] = {}
 _HELD: list[CodeType] = []
 _WAITING = {module for module, _ in _ENTRIES}  # modules not imported yet
 
 
-def _known() -> dict[int, tuple[str, bool]]:
+def _known() -> dict[int, tuple[str, str]]:
     """The code objects (by id) of the known functions whose modules are imported by now (one
     that is being imported is tried again at the next call; a function a version lacks stays
     unknown). Safe on several threads at once: the worst is one resolved twice, alike."""
@@ -117,6 +146,7 @@ class Reading(NamedTuple):
 
     order: str = ""  # the sampler splitting among the ranks the order drawn (Rule 5)
     dispatcher: str = ""  # the dispatcher reading on this rank every rank's batches (Rule 6)
+    share: str = ""  # what splits among the ranks the data fetched here for this rank (Rule 7)
 
 
 NOT_READING = Reading()
@@ -124,31 +154,66 @@ NOT_READING = Reading()
 
 def data_reading(skip: int = 0) -> Reading:
     """What reads the data the caller is drawing for on this thread: the sampler that splits
-    among the ranks the order being drawn (not one drawing with replacement), and the dispatcher
-    this rank reads every rank's batches for, or :data:`NOT_READING`. A walk of the live
-    frames, a few microseconds (about 0.2 us a frame): the rank checker calls it for the random
-    ops it compares in a data-parallel program or one that loaded a dispatcher, which run
-    outside the wrappers' forward and backward (a shuffle, a draw in the training loop)."""
+    among the ranks the order being drawn (not one drawing with replacement), the dispatcher
+    this rank reads every rank's batches for, and what splits among the ranks the data a
+    DataLoader is fetching for this rank, or :data:`NOT_READING`. A walk of the live frames, a
+    few microseconds (about 0.2 us a frame): the rank checker calls it for the random ops it
+    compares in a data-parallel program or one that loaded a dispatcher, which run outside the
+    wrappers' forward and backward (a shuffle, a collator's masking, a draw in the training
+    loop)."""
     known = _known()
     frame: FrameType | None = sys._getframe(skip + 1)
     depth = 0
     inner: list[FrameType] = []  # the samplers' __iter__ frames below the wrapper's
     order: str | None = None  # the innermost sampler's label ("" with replacement), once met
+    fetching = False  # a fetcher's frame is below: the op draws for a batch being read
+    share = ""
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
         hit = known.get(id(code))
         if hit is not None:
-            label, dispatcher = hit
-            if dispatcher:  # one rank reads for all, whatever splits an order below it
+            label, kind = hit
+            if kind == "dispatcher":  # one rank reads for all, whatever splits an order below it
                 return Reading(dispatcher=label)
-            if order is None:
-                order = "" if any(_with_replacement(f) for f in inner) else label
+            if kind == "order":
+                if order is None:
+                    order = "" if any(_with_replacement(f) for f in inner) else label
+            elif kind == "fetch":
+                fetching = order is None  # (an order drawn in the stream under it is Rule 5's)
+            elif fetching and not share:  # the loader whose fetcher is below
+                share = _split_of(frame.f_locals.get("self"))
         elif order is None and code.co_name == "__iter__":
             inner.append(frame)
         frame = frame.f_back
         depth += 1
-    return Reading(order=order) if order else NOT_READING
+    return Reading(order=order or "", share=share) if order or share else NOT_READING
 
 
 def _with_replacement(frame: FrameType) -> bool:
     return getattr(frame.f_locals.get("self"), "replacement", False) is True
+
+
+def _split_of(loader_iter: object) -> str:
+    """What splits among the ranks the data of a single-process DataLoader iterator, in words
+    ("torch's DistributedSampler"): its dataset (accelerate's ``IterableDatasetShard``) or a
+    sampler in the chain from its index sampler (a batch sampler, a skip, a shard) that holds a
+    rank and a number of ranks above one; "" when none does (every rank may read the same data,
+    and what is drawn for it must agree)."""
+    try:  # (the user's samplers and datasets: a property that raises must not reach training)
+        candidates = [getattr(loader_iter, "_dataset", None)]
+        sampler = getattr(loader_iter, "_index_sampler", None)
+        for _ in range(_SAMPLER_DEPTH):
+            if sampler is None:
+                break
+            candidates.append(sampler)
+            sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
+        for obj in candidates:
+            for size, index in _SPLITS:
+                n = getattr(obj, size, None)
+                if type(n) is int and n > 1 and type(getattr(obj, index, None)) is int:
+                    cls = type(obj)
+                    top = cls.__module__.partition(".")[0]
+                    return cls.__name__ if top == "__main__" else f"{top}'s {cls.__name__}"
+    except Exception:  # noqa: BLE001 - unknown: compared, as a loader whose data is not split
+        return ""
+    return ""

@@ -19,6 +19,7 @@ __all__ = [
     "Uncompared",
     "DATA_PARALLEL_WHY",
     "DISPATCHED_WHY",
+    "SHARE_WHY",
     "build_finding",
     "data_parallel_drift",
     "init_finding",
@@ -59,7 +60,7 @@ class Detail:
     wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
     # How the ranks moved the op's generator apart ("the ranks drew different amounts from it in
     # the forward and backward of DDP over ranks 0-1 (...)"), if this rank compares that
-    # generator by what runs only (Rule 2's wake, Rule 6, a resume); "" when it does not.
+    # generator by what runs only (Rule 2's wake, Rules 6 and 7, a resume); "" when it does not.
     drifted: str = ""
     # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
     order: str = ""
@@ -648,16 +649,19 @@ def _reseeded_by_user(event: RandomOpEvent) -> bool:
 
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
 DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
+SHARE_WHY = "loading this rank's own share of the data split by "  # ... and Rule 7's
 
 
 def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
     """When the ranks' states differ at ``spot`` because the generator drew in a data-parallel
     forward or backward since its last compared op (Rule 2: each rank drew for its own batch,
-    so per-rank shapes, variable-length batches under dropout, moved it apart), or while one
-    rank read every rank's batches (Rule 6), or as every rank restored a state of its own (a
-    resume), that generator (one rank's event of it) and how the ranks moved it apart ("the ranks
-    drew different amounts from it in the forward and backward of ..."); else None. Not when a
-    rank's op follows another seeding call of the user's: that is the divergence to report. A
+    so per-rank shapes, variable-length batches under dropout, moved it apart), or as each
+    rank loaded its own share of the data (Rule 7: a collator's masking over its own batch
+    shapes), or while one rank read every rank's batches (Rule 6), or as every rank restored a
+    state of its own (a resume), that generator (one rank's event of it) and how the ranks
+    moved it apart ("the ranks drew different amounts from it in the forward and backward of
+    ..."); else None. Not when a rank's op follows another seeding call of the user's: that is
+    the divergence to report. A
     generator some rank found so before (``Detail.drifted``: its rows sent before every rank
     knew still carry states) is one too. Decided from the gathered details only, so every rank
     decides alike (P5)."""
@@ -675,10 +679,10 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
         return first, known[0]
-    forward = {  # rank -> the wrapper whose forward drew from it there (Rule 2)
-        r: d.uncompared.why.removeprefix(DATA_PARALLEL_WHY)
+    forward = {  # rank -> how it drew for its own batch there (Rules 2 and 7), in words
+        r: _own_batch(d.uncompared.why)
         for r, d in details.items()
-        if d.uncompared is not None and d.uncompared.why.startswith(DATA_PARALLEL_WHY)
+        if d.uncompared is not None and _own_batch(d.uncompared.why)
     }
     alone = {r: d.uncompared.read_alone for r, d in details.items() if d.uncompared is not None}
     readers = sorted(r for r, dispatcher in alone.items() if dispatcher)
@@ -695,14 +699,25 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
         )
     if not forward:
         return None
-    wrapper = sorted(forward.values())[0]
-    return (
-        first,
-        f"{_DREW_APART} in the forward and backward of {wrapper} (each rank's own batch shapes)",
-    )
+    return first, f"{_DREW_APART} {sorted(forward.values())[0]}"
 
 
 _DREW_APART = "the ranks drew different amounts from it"
+
+
+def _own_batch(why: str) -> str:
+    """Where a rank drew for its own batch, in words, from an uncompared op's ``why`` (Rule 2,
+    a data-parallel forward; Rule 7, loading its own share of the data); "" for any other."""
+    if why.startswith(DATA_PARALLEL_WHY):
+        wrapper = why.removeprefix(DATA_PARALLEL_WHY)
+        return f"in the forward and backward of {wrapper} (each rank's own batch shapes)"
+    if why.startswith(SHARE_WHY):
+        split = why.removeprefix(SHARE_WHY)
+        return (
+            f"while each loaded its own share of the data, split by {split} (a dataset's or "
+            "collator's draws over each rank's own samples)"
+        )
+    return ""
 
 
 def _restored_per_rank(evs: dict[int, RandomOpEvent], details: dict[int, Detail]) -> str:

@@ -23,13 +23,19 @@ requires.
 
 ``SAVE_STEPS=N`` saves a checkpoint every N steps (the Trainer saves each rank's RNG state with
 it), and ``RESUME=<checkpoint>`` resumes from one (each rank restores its own saved state).
+
+``MLM=1`` trains BERT (from a tiny config, dropout 0.1) on masked language modelling instead:
+Hugging Face's ``DataCollatorForLanguageModeling`` pads each batch to its longest sequence and
+masks its tokens from the default generator, over each rank's own batch shapes.
 """
 
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,6 +45,7 @@ import transformers  # noqa: E402
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
 ITERABLE = os.environ.get("ITERABLE") == "1"
+MLM = os.environ.get("MLM") == "1"
 SAVE_STEPS = int(os.environ.get("SAVE_STEPS", "0"))
 SEEN: list[int] = []  # the samples this rank trained on, in order (collated in this process)
 INDEX: dict[int, int] = {}  # id() of a sample's tensor -> its index
@@ -83,6 +90,24 @@ def pad_to_longest(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def masking_collator() -> Callable[[list[dict[str, torch.Tensor]]], Any]:
+    """Hugging Face's masked-language-modelling collator, with a word-level tokenizer over the
+    tiny vocabulary (written here: nothing is downloaded)."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words += [f"w{i}" for i in range(_hf.VOCAB - len(words))]
+    vocab = os.path.join(tempfile.mkdtemp(), "vocab.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(words))
+    tokenizer = transformers.BertTokenizerFast(vocab_file=vocab)
+    mlm = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> Any:
+        SEEN.extend(INDEX[id(b["input_ids"])] for b in batch)
+        return mlm([{"input_ids": b["input_ids"].tolist()} for b in batch])
+
+    return collate
+
+
 def main() -> None:
     out = sys.argv[1]
     args = transformers.TrainingArguments(
@@ -104,12 +129,12 @@ def main() -> None:
         accelerator_config={"use_seedable_sampler": os.environ.get("SEEDABLE_SAMPLER") != "0"},
     )
     transformers.set_seed(0)
-    model = _hf.build("gpt2", dropout=0.1)
+    model = _hf.build("bert" if MLM else "gpt2", dropout=0.1)
     trainer = transformers.Trainer(
         model=model,
         args=args,
         train_dataset=Shuffled() if ITERABLE else Tokens(),
-        data_collator=pad_to_longest,
+        data_collator=masking_collator() if MLM else pad_to_longest,
     )
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
     digest = hashlib.sha256()
