@@ -699,6 +699,57 @@ def deepspeed_rank0_draws_before_a_replicated_shuffle(rank: int, world: int) -> 
     return _summary(mode, line=line)
 
 
+def _deepspeed_initialised_on_rank0(deepspeed: Any, modifier_rank: int | None) -> Any:
+    """ZeRO-3, as Hugging Face's Trainer makes a model from a config (its
+    initialize_weights_zero3): seeded alike, made under zero.Init, then initialised on rank 0
+    alone inside GatheredParameters(..., modifier_rank), which broadcasts rank 0's values as it
+    exits (only with a modifier rank). Then three steps, each drawing a replicated shuffle from
+    the default generator. Returns a digest of the weights and the initialisation's line."""
+    rank = torch.distributed.get_rank()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
+        )
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        if rank == 0:
+            for p in params:
+                line = sys._getframe().f_lineno + 1
+                torch.nn.init.normal_(p, std=0.02)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        torch.randperm(4)  # replicated: compared (by what runs, once the init moved it apart)
+        engine.backward(engine(torch.randn(4, 8, generator=data)).square().mean())
+        engine.step()
+    with deepspeed.zero.GatheredParameters(params):
+        digest = float(sum(p.detach().double().sum() for p in params))
+    return digest, line if rank == 0 else None
+
+
+def deepspeed_zero3_initialised_on_rank0_and_broadcast(rank: int, world: int) -> dict[str, Any]:
+    deepspeed = _deepspeed()
+    with _mode() as mode:
+        digest, line = _deepspeed_initialised_on_rank0(deepspeed, modifier_rank=0)
+    return _summary(mode, digest=digest, line=line)
+
+
+def deepspeed_zero3_initialised_on_rank0_not_broadcast(rank: int, world: int) -> dict[str, Any]:
+    """The bug: without a modifier rank the region broadcasts nothing (rank 0's values are
+    dropped as it exits), so rank 0's draws there are its own extra random ops."""
+    deepspeed = _deepspeed()
+    with _mode() as mode:
+        digest, line = _deepspeed_initialised_on_rank0(deepspeed, modifier_rank=None)
+    return _summary(mode, digest=digest, line=line)
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests (parent process): one launch of 2 ranks runs every scenario
 
@@ -732,6 +783,8 @@ SCENARIOS = [
     "deepspeed_seed_plus_rank",
     "deepspeed_zero3_init_seed_plus_rank",
     "deepspeed_rank0_draws_before_a_replicated_shuffle",
+    "deepspeed_zero3_initialised_on_rank0_and_broadcast",
+    "deepspeed_zero3_initialised_on_rank0_not_broadcast",
     "hf_ddp_generate_on_rank0",
 ]
 
@@ -1077,6 +1130,40 @@ def test_deepspeed_training_still_has_its_replicated_draws_compared(two: Any) ->
         assert f["site"] == f"test_data_parallel.py:{line}", f
 
 
+def test_zero3_parameters_one_rank_initialises_for_a_broadcast_are_its_own(two: Any) -> None:
+    """ZeRO-3's GatheredParameters(modifier_rank=0) broadcasts rank 0's modifications as it
+    exits, so what rank 0 alone draws inside it (Hugging Face's initialisation of a model made
+    from a config) is not compared, and the default generator it moved apart is compared by
+    what runs from there; the report says both. Without a modifier rank nothing is broadcast,
+    and rank 0's draws are found at their line."""
+    results = _results(two, "deepspeed_zero3_initialised_on_rank0_and_broadcast")
+    broadcast = {r["digest"] for r in results.values()}
+    assert len(broadcast) == 1  # the broadcast made them rank 0's
+    for rank, r in results.items():
+        assert not r["findings"], (rank, r["findings"])
+        notes = "\n".join(r["notes"])
+        alone = (
+            "4 random op(s) rank 0 drew alone, modifying parameters inside deepspeed's "
+            "GatheredParameters, which broadcasts them to the other ranks as it exits"
+        )
+        assert (alone in notes) == (rank == 0), notes
+        assert (
+            "not compared by state: default cpu after the ranks drew different amounts from it "
+            "while rank 0 alone modified parameters inside deepspeed's GatheredParameters"
+        ) in notes, notes
+    results = _results(two, "deepspeed_zero3_initialised_on_rank0_not_broadcast")
+    # What the finding is about: rank 0's initialisation was dropped (the weights are those
+    # zero.Init made, the same everywhere), and rank 0 drew from the default generator alone.
+    assert len({r["digest"] for r in results.values()} | broadcast) == 2
+    line = results[0]["line"]
+    for rank, r in results.items():
+        assert r["findings"], (rank, r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1], f
+        assert "rank 0 ran 4 extra random ops, the first, aten.normal_" in f["cause"], f["cause"]
+        assert f["site"] == f"test_data_parallel.py:{line}", f
+
+
 def test_one_rank_sampling_with_generate_is_found_at_that_call(two: Any) -> None:
     results = _results(two, "hf_ddp_generate_on_rank0")
     line = results[0]["line"]
@@ -1254,6 +1341,18 @@ def test_hugging_face_trainer_masked_language_modelling_is_quiet_and_unchanged(
     assert (
         "random op(s) drawn while loading rank 0's own share of the data, split among the ranks "
         "by accelerate's BatchSamplerShard"
+    ) in notes, notes
+
+
+def test_hugging_face_trainer_under_deepspeed_zero3_is_quiet_and_unchanged(tmp_path: Any) -> None:
+    """Hugging Face's Trainer under DeepSpeed ZeRO-3: transformers initialises the model made
+    from its config on rank 0 alone, inside GatheredParameters(modifier_rank=0), which
+    broadcasts it. Correct, so quiet (it was "rank 0 ran an extra random op" at the first
+    initialisation), and bitwise as without rngcheck."""
+    _, notes = _trainer_quiet_and_unchanged(tmp_path, ZERO="3")
+    assert (
+        "random op(s) rank 0 drew alone, modifying parameters inside deepspeed's "
+        "GatheredParameters, which broadcasts them to the other ranks as it exits"
     ) in notes, notes
 
 

@@ -218,7 +218,13 @@ def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() 
 
 def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_data() -> None:
     from rngcheck.core.events import OutOfBandChange, SeedCall
-    from rngcheck.ranks.findings import Uncompared, data_parallel_drift
+    from rngcheck.ranks.findings import (
+        DISPATCHED_WHY,
+        MODIFIED_WHY,
+        SHARE_WHY,
+        Uncompared,
+        data_parallel_drift,
+    )
     from rngcheck.ranks.localise import Spot
 
     state = Spot("state", 0, stream=7, policy=1)
@@ -245,12 +251,32 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     )
     # Rule 6: a rank that read every rank's batches alone is the surer cause (rank 1 here).
     dispatcher = "accelerate's DataLoaderDispatcher"
-    reading = Uncompared(3, "aten.randperm.default", "data.py:4", "x", read_alone=dispatcher)
+    alone_why = f"{DISPATCHED_WHY}{dispatcher}"
+    reading = Uncompared(3, "aten.randperm.default", "data.py:4", "x", read_alone=alone_why)
     read = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=reading)}
     found = data_parallel_drift(state, read)
     assert found is not None and found[1] == (
         f"the ranks drew different amounts from it while rank 1 alone read every rank's "
         f"batches for {dispatcher}"
+    )
+    assert reading.reasons == f"x or {alone_why}"
+    # ZeRO-3: rank 0 alone initialised parameters that GatheredParameters broadcast from it.
+    why = f"{MODIFIED_WHY}them from rank 0"
+    init = Uncompared(2, "aten.normal_.default", "initialization.py:54", why, read_alone=why)
+    found = data_parallel_drift(state, {0: detail(11, uncompared=init), 1: detail(15)})
+    assert found is not None and found[1] == (
+        "the ranks drew different amounts from it while rank 0 alone modified parameters "
+        "inside deepspeed's GatheredParameters, which broadcasts them from it (ZeRO-3)"
+    )
+    assert init.reasons == why
+    # Rule 7: each rank loaded its own share of the data (a collator's masking).
+    split = "torch's DistributedSampler"
+    mask = Uncompared(4, "aten.bernoulli.default", "collate.py:3", f"{SHARE_WHY}{split}")
+    loaded = {r: detail(11 + 4 * r, uncompared=mask) for r in (0, 1)}
+    found = data_parallel_drift(state, loaded)
+    assert found is not None and found[1] == (
+        "the ranks drew different amounts from it while each loaded its own share of the data, "
+        f"split by {split} (a dataset's or collator's draws over each rank's own samples)"
     )
     # ... only when it explains every difference: on 3 ranks, rank 2 differing from rank 1
     # too (neither read nor drew in a forward) is a divergence of its own.

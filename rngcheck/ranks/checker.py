@@ -36,6 +36,8 @@ from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
     DISPATCHED_WHY,
+    MODIFIED_WHY,
+    OVERWRITTEN_WHY,
     SHARE_WHY,
     Detail,
     Uncompared,
@@ -87,7 +89,7 @@ class _Unchecked(NamedTuple):
     ops: int
     event: RandomOpEvent
     why: str
-    read_alone: str = ""  # a dispatcher one of them read every rank's batches for (Rule 6)
+    read_alone: str = ""  # why the rank drew some of them alone, by design (Rule 6)
 
     def public(self) -> Uncompared:
         return Uncompared(self.ops, self.event.op, self.event.site, self.why, self.read_alone)
@@ -169,7 +171,8 @@ class RankChecker:
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
         # initialisations are settled at the first step, unless a wrapper broadcast them;
         # Rule 5, an order a sampler splits among the ranks is compared by state; Rule 6, the
-        # ops of one rank reading every rank's batches are not compared; Rule 7, nor those of a
+        # ops of one rank reading every rank's batches (data_reading.py) or modifying parameters
+        # ZeRO-3 broadcasts from it (data_parallel.py) are not compared; Rule 7, nor those of a
         # rank loading its own share of the data (data_reading.py).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
@@ -182,7 +185,7 @@ class RankChecker:
         self._drifted: dict[str, tuple[int | None, str]] = {}
         # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rules 6 and 7)
         self._drift_notes: dict[str, tuple[str, str]] = {}
-        self._read_alone: dict[str, int] = {}  # dispatcher -> random ops this rank read for all
+        self._read_alone: dict[str, int] = {}  # why -> random ops this rank drew alone for it
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
@@ -215,7 +218,7 @@ class RankChecker:
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
-            read = why.removeprefix(DISPATCHED_WHY) if why.startswith(DISPATCHED_WHY) else ""
+            read = why if why.startswith((DISPATCHED_WHY, MODIFIED_WHY)) else ""
             with self._lock:
                 key = gen_key(event)
                 last = self._uncompared.get(key)
@@ -361,6 +364,13 @@ class RankChecker:
         if mesh is not None:
             return "", ""  # declared: DTensor's contract (its mesh)
         declared = current_expectation() is not None  # the user's expect block
+        src = None if declared else self._dp.modifier()
+        if src is not None:  # Rule 6, ZeRO-3: rank src modifies, the region broadcasts from it
+            if src != self.rank:
+                return f"{OVERWRITTEN_WHY}rank {src}", ""
+            why = f"{MODIFIED_WHY}them from rank {src}"
+            self._read_alone[why] = self._read_alone.get(why, 0) + 1
+            return why, ""
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
@@ -372,9 +382,9 @@ class RankChecker:
             else NOT_READING
         )
         if reading.dispatcher and not declared:  # Rule 6: this rank reads for every rank
-            dispatcher = reading.dispatcher
-            self._read_alone[dispatcher] = self._read_alone.get(dispatcher, 0) + 1
-            return f"{DISPATCHED_WHY}{dispatcher}", ""
+            why = f"{DISPATCHED_WHY}{reading.dispatcher}"
+            self._read_alone[why] = self._read_alone.get(why, 0) + 1
+            return why, ""
         order = reading.order if self._dp.wrappers else ""
         if reading.share and not (declared or order) and self._dp.wrappers:  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
@@ -493,11 +503,17 @@ class RankChecker:
             Note(
                 kind="not_compared",
                 message=f"not compared: {count} random op(s) rank {self.rank} drew alone, "
-                f"reading every rank's batches for {dispatcher} (the other ranks receive the "
-                "batches by broadcast).",
+                + (
+                    f"reading every rank's batches for {why.removeprefix(DISPATCHED_WHY)} (the "
+                    "other ranks receive the batches by broadcast)."
+                    if why.startswith(DISPATCHED_WHY)
+                    else "modifying parameters inside deepspeed's GatheredParameters, which "
+                    "broadcasts them to the other ranks as it exits (ZeRO-3; Hugging Face "
+                    "initialises a model's weights so, on rank 0)."
+                ),
                 count=count,
             )
-            for dispatcher, count in self._read_alone.items()
+            for why, count in self._read_alone.items()
         )
         out.extend(
             Note(

@@ -11,6 +11,12 @@ broadcast which parameters it will overwrite. ``fully_shard`` broadcasts nothing
 learnt from the first forward. DeepSpeed's engine is learnt when it broadcasts the model (its group
 is made inside its construction), and ``deepspeed.zero.Init`` from each parameter's broadcast.
 
+ZeRO-3's ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` gathers partitioned
+parameters, lets rank ``r`` modify them, and broadcasts them from it as it exits: Hugging Face
+initialises a model made from a config so, on rank 0 alone. The tracker keeps, per thread, the
+rank such a region broadcasts from, so the rank checker leaves what is drawn inside it
+uncompared.
+
 A wrapper is known by its group's global ranks. The scope of a random op is the innermost wrapper
 whose forward is running on this thread, or, during backward, the wrapper whose forward ran last
 (until the next optimizer step): checkpoint recomputes and gradient-time randomness of a
@@ -120,6 +126,8 @@ def _states(module: torch.nn.Module, buffers: bool) -> dict[str, frozenset[int]]
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Wrapper] = []
+        # the rank each GatheredParameters region entered broadcasts from (None: no modifier)
+        self.modifiers: list[int | None] = []
 
 
 class DataParallelTracker:
@@ -150,6 +158,13 @@ class DataParallelTracker:
         if stack:
             return stack[-1]
         return self.backward if in_backward else None
+
+    def modifier(self) -> int | None:
+        """The global rank whose modifications the innermost ZeRO-3 ``GatheredParameters``
+        region entered on this thread broadcasts as it exits, or None (none, or one without a
+        modifier rank)."""
+        modifiers = self._local.modifiers
+        return next((r for r in reversed(modifiers) if r is not None), None) if modifiers else None
 
     def count(self, wrapper: Wrapper) -> None:
         self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
@@ -205,6 +220,9 @@ class DataParallelTracker:
         if _ZERO_INIT_MODULE not in self._patched and zero_init is not None:
             self._patched.add(_ZERO_INIT_MODULE)
             self._wrap_zero_init(zero_init)
+            gathered = getattr(sys.modules[_ZERO_INIT_MODULE], "GatheredParameters", None)
+            if gathered is not None:
+                self._wrap_gathered(gathered)
 
     def uninstall(self) -> None:
         unwatch, self._unwatch = self._unwatch, None
@@ -220,6 +238,7 @@ class DataParallelTracker:
                     delattr(owner, name)
             self._patched.clear()
         self._local.stack.clear()
+        self._local.modifiers.clear()
         self.backward = None
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
@@ -283,6 +302,31 @@ class DataParallelTracker:
             return out
 
         self._patch(cls, "_zero_init_param", _zero_init_param)
+
+    def _wrap_gathered(self, cls: Any) -> None:
+        """``deepspeed.zero.GatheredParameters``: the rank an entered region broadcasts from
+        (``src_rank``, a global rank; None without ``modifier_rank`` or when the region is a no-op
+        on parameters that are not partitioned), until it exits."""
+        enter, exit_ = cls.__enter__, cls.__exit__
+        local = self._local
+
+        @functools.wraps(enter)
+        def __enter__(region: Any) -> Any:
+            out = enter(region)
+            src = getattr(region, "src_rank", None) if getattr(region, "enabled", False) else None
+            local.modifiers.append(src if type(src) is int else None)
+            return out
+
+        @functools.wraps(exit_)
+        def __exit__(region: Any, *exc: Any) -> Any:
+            try:
+                return exit_(region, *exc)  # (the broadcast)
+            finally:
+                if local.modifiers:
+                    local.modifiers.pop()
+
+        self._patch(cls, "__enter__", __enter__)
+        self._patch(cls, "__exit__", __exit__)
 
     def _wrap_forward(self, cls: Any, describe: Callable[[Any], Wrapper | None]) -> None:
         # FSDPModule has no forward of its own: the original is the next class's in the MRO.

@@ -19,6 +19,8 @@ __all__ = [
     "Uncompared",
     "DATA_PARALLEL_WHY",
     "DISPATCHED_WHY",
+    "MODIFIED_WHY",
+    "OVERWRITTEN_WHY",
     "SHARE_WHY",
     "build_finding",
     "data_parallel_drift",
@@ -38,14 +40,15 @@ class Uncompared(NamedTuple):
     op: str  # the last of them
     site: str
     why: str  # "under expect('ignore')", "in the data-parallel forward/backward of ...", ...
-    # The dispatcher the rank read every rank's batches for in some of them (Rule 6), or "".
+    # Why the rank drew some of them alone, by design (reading every rank's batches for a
+    # dispatcher, Rule 6; modifying parameters ZeRO-3 then broadcasts from it), or "".
     read_alone: str = ""
 
     @property
     def reasons(self) -> str:
-        """Why, in words: the last op's reason, and the reading's when some of them read."""
-        if self.read_alone and not self.why.startswith(DISPATCHED_WHY):
-            return f"{self.why} or {DISPATCHED_WHY}{self.read_alone}"
+        """Why, in words: the last op's reason, and what the rank drew alone for, if other."""
+        if self.read_alone and self.read_alone != self.why:
+            return f"{self.why} or {self.read_alone}"
         return self.why
 
 
@@ -650,6 +653,9 @@ def _reseeded_by_user(event: RandomOpEvent) -> bool:
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
 DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
 SHARE_WHY = "loading this rank's own share of the data split by "  # ... and Rule 7's
+# ... and ZeRO-3's GatheredParameters(modifier_rank=r): on rank r, then on the others
+MODIFIED_WHY = "modifying parameters alone for deepspeed's GatheredParameters, which broadcasts "
+OVERWRITTEN_WHY = "drawing into parameters that deepspeed's GatheredParameters overwrites from "
 
 
 def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
@@ -685,7 +691,7 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
         if d.uncompared is not None and _own_batch(d.uncompared.why)
     }
     alone = {r: d.uncompared.read_alone for r, d in details.items() if d.uncompared is not None}
-    readers = sorted(r for r, dispatcher in alone.items() if dispatcher)
+    readers = sorted(r for r, why in alone.items() if why)
     # A rank that read alone is the surer cause (its draws were its own, whatever the shapes),
     # when it explains every difference: the ranks that neither read nor drew in a forward
     # still agree among themselves.
@@ -694,15 +700,25 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
         and len({e.before for r, e in evs.items() if r not in forward and r not in readers}) <= 1
     ):
         reader = readers[0]
-        return first, (
-            f"{_DREW_APART} while rank {reader} alone read every rank's batches for {alone[reader]}"
-        )
+        return first, f"{_DREW_APART} {_alone_phrase(reader, alone[reader])}"
     if not forward:
         return None
     return first, f"{_DREW_APART} {sorted(forward.values())[0]}"
 
 
 _DREW_APART = "the ranks drew different amounts from it"
+
+
+def _alone_phrase(rank: int, why: str) -> str:
+    """How ``rank`` drew alone, in words, from its uncompared ops' ``read_alone``."""
+    if why.startswith(DISPATCHED_WHY):
+        return f"while rank {rank} alone read every rank's batches for " + why.removeprefix(
+            DISPATCHED_WHY
+        )
+    return (
+        f"while rank {rank} alone modified parameters inside deepspeed's GatheredParameters, "
+        "which broadcasts them from it (ZeRO-3)"
+    )
 
 
 def _own_batch(why: str) -> str:

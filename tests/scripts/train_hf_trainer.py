@@ -27,6 +27,10 @@ it), and ``RESUME=<checkpoint>`` resumes from one (each rank restores its own sa
 ``MLM=1`` trains BERT (from a tiny config, dropout 0.1) on masked language modelling instead:
 Hugging Face's ``DataCollatorForLanguageModeling`` pads each batch to its longest sequence and
 masks its tokens from the default generator, over each rank's own batch shapes.
+
+``ZERO=3`` trains under DeepSpeed's ZeRO stage 3 (``ZERO=2``, stage 2): the model, made from
+its config after the TrainingArguments, is made under ``deepspeed.zero.Init`` and initialised on
+rank 0 alone inside ``GatheredParameters(..., modifier_rank=0)``, which broadcasts it.
 """
 
 import hashlib
@@ -46,6 +50,7 @@ import transformers  # noqa: E402
 STEPS = int(os.environ.get("TRAIN_STEPS", "4"))
 ITERABLE = os.environ.get("ITERABLE") == "1"
 MLM = os.environ.get("MLM") == "1"
+ZERO = int(os.environ.get("ZERO", "0"))
 SAVE_STEPS = int(os.environ.get("SAVE_STEPS", "0"))
 SEEN: list[int] = []  # the samples this rank trained on, in order (collated in this process)
 INDEX: dict[int, int] = {}  # id() of a sample's tensor -> its index
@@ -108,6 +113,22 @@ def masking_collator() -> Callable[[list[dict[str, torch.Tensor]]], Any]:
     return collate
 
 
+def deepspeed_config() -> dict[str, Any] | None:
+    if not ZERO:
+        return None
+    import deepspeed
+
+    # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce for inference when its
+    # communication starts (a minute of C++ on a fresh machine); training never calls it.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return {
+        "zero_optimization": {"stage": ZERO},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_allow_untested_optimizer": True,
+    }
+
+
 def main() -> None:
     out = sys.argv[1]
     args = transformers.TrainingArguments(
@@ -122,6 +143,7 @@ def main() -> None:
         save_strategy="steps" if SAVE_STEPS else "no",
         save_steps=SAVE_STEPS or 500,
         disable_tqdm=True,
+        deepspeed=deepspeed_config(),
         ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
         train_sampling_strategy="group_by_length"
         if os.environ.get("GROUP_BY_LENGTH") == "1"
