@@ -220,7 +220,7 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     from rngcheck.core.events import OutOfBandChange, SeedCall
     from rngcheck.ranks.findings import (
         DISPATCHED_WHY,
-        MODIFIED_WHY,
+        GATHERED_WHY,
         SHARE_WHY,
         Uncompared,
         data_parallel_drift,
@@ -261,12 +261,13 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     )
     assert reading.reasons == f"x or {alone_why}"
     # ZeRO-3: rank 0 alone initialised parameters that GatheredParameters broadcast from it.
-    why = f"{MODIFIED_WHY}them from rank 0"
+    why = f"{GATHERED_WHY}0"
     init = Uncompared(2, "aten.normal_.default", "initialization.py:54", why, read_alone=why)
     found = data_parallel_drift(state, {0: detail(11, uncompared=init), 1: detail(15)})
     assert found is not None and found[1] == (
-        "the ranks drew different amounts from it while rank 0 alone modified parameters "
-        "inside deepspeed's GatheredParameters, which broadcasts them from it (ZeRO-3)"
+        "the ranks drew different amounts from it while rank 0 drew inside a deepspeed "
+        "GatheredParameters region broadcast by it (ZeRO-3: the parameters it gathered are that "
+        "rank's as it exits)"
     )
     assert init.reasons == why
     # Rule 7: each rank loaded its own share of the data (a collator's masking).
@@ -505,7 +506,22 @@ def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() ->
             yield from ([0, 1], [2, 3])
 
     megatron = torch.utils.data.DataLoader(_Shares(), batch_sampler=Megatron())
-    assert read(megatron)[0] == ["test_ranks_unit's Megatron"]
+    assert [label.rpartition("'s ")[2] for label in read(megatron)[0]] == ["Megatron"]
+
+    # A stream that splits itself by rank after it shuffles: what it draws as it is iterated is
+    # its order (every rank must draw alike), so not the rank's own; its collation is.
+    class SelfSplit(torch.utils.data.IterableDataset):
+        num_replicas, rank = 2, 0
+        seen: list[Any] = []
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.seen.append(data_reading())
+            yield from torch.randperm(8)[self.rank :: self.num_replicas].tolist()
+
+    collated[:] = []
+    list(torch.utils.data.DataLoader(SelfSplit(), batch_size=2, collate_fn=collate))
+    assert SelfSplit.seen == [NOT_READING]
+    assert len(collated) == 2 and {c.rpartition("'s ")[2] for c in collated} == {"SelfSplit"}
 
     accelerate = pytest.importorskip("accelerate.data_loader")
     shard = accelerate.prepare_data_loader(

@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -36,8 +37,8 @@ from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
     DISPATCHED_WHY,
-    MODIFIED_WHY,
-    OVERWRITTEN_WHY,
+    GATHERED_WHY,
+    GENERATE_WHY,
     SHARE_WHY,
     Detail,
     Uncompared,
@@ -186,6 +187,8 @@ class RankChecker:
         # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rules 6 and 7)
         self._drift_notes: dict[str, tuple[str, str]] = {}
         self._read_alone: dict[str, int] = {}  # why -> random ops this rank drew alone for it
+        self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
+        self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
@@ -218,7 +221,7 @@ class RankChecker:
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
-            read = why if why.startswith((DISPATCHED_WHY, MODIFIED_WHY)) else ""
+            read = why if why.startswith(DISPATCHED_WHY) or why == self._modifying else ""
             with self._lock:
                 key = gen_key(event)
                 last = self._uncompared.get(key)
@@ -356,9 +359,9 @@ class RankChecker:
     def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str]:
         """Why this op is not compared across ranks ("" when it is), and the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
-        program only). The frames are walked once, in a data-parallel program or one that
-        loaded a dispatcher (Rule 6), and not for the ops of a wrapper's forward; a batch of the
-        rank's own share being read (Rule 7) is known there too."""
+        program only). The frames are walked once, in a data-parallel program, one that loaded a
+        dispatcher (Rule 6) or reads its own share of the data (Rule 7, also before the first
+        step), and not for the ops of a wrapper's forward."""
         if event.expect == "ignore":
             return "under expect('ignore')", ""
         if mesh is not None:
@@ -366,27 +369,33 @@ class RankChecker:
         declared = current_expectation() is not None  # the user's expect block
         src = None if declared else self._dp.modifier()
         if src is not None:  # Rule 6, ZeRO-3: rank src modifies, the region broadcasts from it
-            if src != self.rank:
-                return f"{OVERWRITTEN_WHY}rank {src}", ""
-            why = f"{MODIFIED_WHY}them from rank {src}"
-            self._read_alone[why] = self._read_alone.get(why, 0) + 1
-            return why, ""
+            self._gathered[src] = self._gathered.get(src, 0) + 1
+            return f"{GATHERED_WHY}{src}", ""
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
                 self._dp.count(wrapper)
                 return f"{DATA_PARALLEL_WHY}{wrapper.label}", ""
-        reading = (
-            data_reading()
-            if self._dp.wrappers or any(m in sys.modules for m in DISPATCHER_MODULES)
-            else NOT_READING
+            wrapper = self._dp.generating()
+            if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
+                self._dp.count(wrapper, generated=True)
+                return f"{GENERATE_WHY}{wrapper.label}", ""
+        # (Rule 7 holds without a known wrapper, which one built before the mode is until its
+        # first forward: the frames are walked until the first step, and on once a rank's own
+        # share of the data was seen)
+        walk = (
+            self._dp.wrappers
+            or self._shares
+            or not self._init_settled
+            or any(m in sys.modules for m in DISPATCHER_MODULES)
         )
+        reading = data_reading() if walk else NOT_READING
         if reading.dispatcher and not declared:  # Rule 6: this rank reads for every rank
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
             return why, ""
         order = reading.order if self._dp.wrappers else ""
-        if reading.share and not (declared or order) and self._dp.wrappers:  # Rule 7
+        if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
             return f"{SHARE_WHY}{reading.share}", ""
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
@@ -481,51 +490,55 @@ class RankChecker:
 
     def notes(self) -> list[Note]:
         """What the data-parallel rules left uncompared, for the report (``rngcheck show``)."""
+        rank = self.rank
+        replaced = {"": self._replaced_inits} if self._replaced_inits else {}
         out = [
-            Note(
-                kind="not_compared",
-                message=f"not compared: {count} random op(s) in the forward and backward of "
-                f"{label} (data-parallel: each rank draws for its own batch).",
-                count=count,
-            )
-            for label, count in self._dp.ops.items()
-        ]
-        out.extend(
-            Note(
-                kind="not_compared",
-                message=f"not compared: {count} parameter initialisation(s); {label} "
-                "broadcast the module's states from one rank when it was built.",
-                count=count,
-            )
-            for label, count in self._broadcast_inits.items()
-        )
-        out.extend(
-            Note(
-                kind="not_compared",
-                message=f"not compared: {count} random op(s) rank {self.rank} drew alone, "
-                + (
-                    f"reading every rank's batches for {why.removeprefix(DISPATCHED_WHY)} (the "
-                    "other ranks receive the batches by broadcast)."
-                    if why.startswith(DISPATCHED_WHY)
-                    else "modifying parameters inside deepspeed's GatheredParameters, which "
-                    "broadcasts them to the other ranks as it exits (ZeRO-3; Hugging Face "
-                    "initialises a model's weights so, on rank 0)."
+            *_counted(
+                self._dp.ops,
+                lambda label: (
+                    f"random op(s) in the forward and backward of {label} "
+                    "(data-parallel: each rank draws for its own batch)."
                 ),
-                count=count,
-            )
-            for why, count in self._read_alone.items()
-        )
-        out.extend(
-            Note(
-                kind="not_compared",
-                message=f"not compared: {count} random op(s) drawn while loading rank "
-                f"{self.rank}'s own share of the data, split among the ranks by {split} (a "
-                "dataset's or collator's draws for the rank's own samples: each rank draws for "
-                "its own batch).",
-                count=count,
-            )
-            for split, count in self._shares.items()
-        )
+            ),
+            *_counted(
+                self._dp.generated,
+                lambda label: (
+                    f"random op(s) in generate() of the module {label} wraps "
+                    "(data-parallel: each rank samples for its own inputs)."
+                ),
+            ),
+            *_counted(
+                self._broadcast_inits,
+                lambda label: (
+                    f"parameter initialisation(s); {label} broadcast the module's "
+                    "states from one rank when it was built."
+                ),
+            ),
+            *_counted(
+                self._read_alone,
+                lambda why: (
+                    f"random op(s) rank {rank} drew alone, reading every rank's batches for "
+                    f"{why.removeprefix(DISPATCHED_WHY)} (the other ranks receive the batches by "
+                    "broadcast)."
+                ),
+            ),
+            *_counted(
+                {str(src): count for src, count in self._gathered.items()},
+                lambda src: (
+                    f"random op(s) drawn inside a deepspeed GatheredParameters region broadcast "
+                    f"by rank {src}: the parameters it gathered are rank {src}'s as it exits "
+                    "(ZeRO-3; Hugging Face initialises a model's weights so)."
+                ),
+            ),
+            *_counted(
+                self._shares,
+                lambda split: (
+                    f"random op(s) drawn while loading rank {rank}'s own share of the data, "
+                    f"split among the ranks by {split} (a dataset's or collator's draws for "
+                    "the rank's own samples: each rank draws for its own batch)."
+                ),
+            ),
+        ]
         out.extend(
             Note(
                 kind="not_compared",
@@ -536,16 +549,13 @@ class RankChecker:
             )
             for generator, how in self._drift_notes.values()
         )
-        if self._replaced_inits:
-            out.append(
-                Note(
-                    kind="not_compared",
-                    message=f"not compared: {self._replaced_inits} parameter initialisation(s) "
-                    "of parameters that no longer existed at the first step (replaced before "
-                    "training, as weight tying does).",
-                    count=self._replaced_inits,
-                )
-            )
+        out += _counted(
+            replaced,
+            lambda _: (
+                "parameter initialisation(s) of parameters that no longer existed at the "
+                "first step (replaced before training, as weight tying does)."
+            ),
+        )
         if self._dp.wrappers:
             programs = "; ".join(w.label for w in self._dp.wrappers)
             out.extend(
@@ -806,3 +816,12 @@ class RankChecker:
         """The exchange counters into the report's metadata (at every op-level exchange; for the
         step level's, when the report is read)."""
         self._handle.meta["rank_exchange"] = self.stats.to_dict()
+
+
+def _counted(counts: dict[str, int], say: Callable[[str], str]) -> list[Note]:
+    """A not_compared note for each entry of ``counts`` (what -> how many random ops): "not
+    compared: N " followed by ``say(what)``."""
+    return [
+        Note(kind="not_compared", message=f"not compared: {count} {say(what)}", count=count)
+        for what, count in counts.items()
+    ]

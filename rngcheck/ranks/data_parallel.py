@@ -11,6 +11,11 @@ broadcast which parameters it will overwrite. ``fully_shard`` broadcasts nothing
 learnt from the first forward. DeepSpeed's engine is learnt when it broadcasts the model (its group
 is made inside its construction), and ``deepspeed.zero.Init`` from each parameter's broadcast.
 
+Hugging Face's ``generate()`` called on the module a wrapper wraps (``model.module.generate``,
+accelerate's ``unwrap_model``: reinforcement-learning rollouts) samples for this rank's own
+inputs, as the wrapper's forward computes on its own batch: the tracker keeps, per thread, the
+wrapper whose module is generating.
+
 ZeRO-3's ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` gathers partitioned
 parameters, lets rank ``r`` modify them, and broadcasts them from it as it exits: Hugging Face
 initialises a model made from a config so, on rank 0 alone. The tracker keeps, per thread, the
@@ -57,7 +62,15 @@ _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP2_MODULE = "torch.distributed.fsdp"
 _DEEPSPEED_MODULE = "deepspeed.runtime.engine"
 _ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
-_WATCHED = (_DDP_MODULE, _FSDP1_MODULE, _FSDP2_MODULE, _DEEPSPEED_MODULE, _ZERO_INIT_MODULE)
+_GENERATION_MODULE = "transformers.generation.utils"
+_WATCHED = (
+    _DDP_MODULE,
+    _FSDP1_MODULE,
+    _FSDP2_MODULE,
+    _DEEPSPEED_MODULE,
+    _ZERO_INIT_MODULE,
+    _GENERATION_MODULE,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,6 +141,7 @@ class _Local(threading.local):
         self.stack: list[Wrapper] = []
         # the rank each GatheredParameters region entered broadcasts from (None: no modifier)
         self.modifiers: list[int | None] = []
+        self.generating: list[Wrapper] = []  # the wrappers whose modules are in generate()
 
 
 class DataParallelTracker:
@@ -150,6 +164,7 @@ class DataParallelTracker:
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
+        self.generated: dict[str, int] = {}  # ... of which in generate() of its module
 
     # -- the scope of a random op ----------------------------------------------------------------
 
@@ -159,15 +174,24 @@ class DataParallelTracker:
             return stack[-1]
         return self.backward if in_backward else None
 
+    def generating(self) -> Wrapper | None:
+        """The wrapper whose module is generating on this thread (Hugging Face's
+        ``generate()``), or None."""
+        generating = self._local.generating
+        return generating[-1] if generating else None
+
     def modifier(self) -> int | None:
         """The global rank whose modifications the innermost ZeRO-3 ``GatheredParameters``
         region entered on this thread broadcasts as it exits, or None (none, or one without a
-        modifier rank)."""
+        modifier rank: what it draws is compared, as outside)."""
         modifiers = self._local.modifiers
-        return next((r for r in reversed(modifiers) if r is not None), None) if modifiers else None
+        return modifiers[-1] if modifiers else None
 
-    def count(self, wrapper: Wrapper) -> None:
-        self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
+    def count(self, wrapper: Wrapper, generated: bool = False) -> None:
+        if generated:
+            self.generated[wrapper.label] = self.generated.get(wrapper.label, 0) + 1
+        else:
+            self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
 
     def on_step(self) -> None:
         self.backward = None
@@ -223,6 +247,10 @@ class DataParallelTracker:
             gathered = getattr(sys.modules[_ZERO_INIT_MODULE], "GatheredParameters", None)
             if gathered is not None:
                 self._wrap_gathered(gathered)
+        mixin = getattr(sys.modules.get(_GENERATION_MODULE), "GenerationMixin", None)
+        if _GENERATION_MODULE not in self._patched and mixin is not None:
+            self._patched.add(_GENERATION_MODULE)
+            self._wrap_generate(mixin)
 
     def uninstall(self) -> None:
         unwatch, self._unwatch = self._unwatch, None
@@ -239,6 +267,7 @@ class DataParallelTracker:
             self._patched.clear()
         self._local.stack.clear()
         self._local.modifiers.clear()
+        self._local.generating.clear()
         self.backward = None
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
@@ -302,6 +331,41 @@ class DataParallelTracker:
             return out
 
         self._patch(cls, "_zero_init_param", _zero_init_param)
+
+    def _wrap_generate(self, cls: Any) -> None:
+        """Hugging Face's ``GenerationMixin.generate``: on the module a known wrapper wraps (or on
+        a ``fully_shard`` module, its own wrapper), that wrapper is generating until it returns."""
+        original = cls.generate
+        tracker = self
+
+        @functools.wraps(original)
+        def generate(model: Any, /, *args: Any, **kwargs: Any) -> Any:
+            wrapper = tracker._wrapping(model)
+            if wrapper is None:
+                return original(model, *args, **kwargs)
+            generating = tracker._local.generating
+            generating.append(wrapper)
+            try:
+                return original(model, *args, **kwargs)
+            finally:
+                generating.pop()
+
+        self._patch(cls, "generate", generate)
+
+    def _wrapping(self, model: Any) -> Wrapper | None:
+        """The known wrapper whose module ``model`` is (or that ``model`` is: ``fully_shard``),
+        also through ``torch.compile`` (accelerate's ``unwrap_model`` returns the original)."""
+        try:
+            own = self._known.get(model)
+            if own is not None:
+                return own
+            for module, wrapper in list(self._known.items()):
+                inner = getattr(module, "module", None)
+                if inner is model or getattr(inner, "_orig_mod", None) is model:
+                    return wrapper
+        except Exception:  # noqa: BLE001 - never break the user's generate(): compared, then
+            log.debug("rngcheck could not tell which wrapper is generating", exc_info=True)
+        return None
 
     def _wrap_gathered(self, cls: Any) -> None:
         """``deepspeed.zero.GatheredParameters``: the rank an entered region broadcasts from

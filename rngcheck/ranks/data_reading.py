@@ -36,21 +36,23 @@ they drew from then differs across the ranks (the default generator, when the sa
 dataset draws from it), and is compared by what runs, not by state, as after Rule 2.
 
 **Rule 7.** A random op drawn while torch's DataLoader fetches a batch in this process (its
-fetcher: the dataset's ``__getitem__`` or iteration, then the ``collate_fn``) from data split
-among the ranks (the loader's sampler, or its dataset, holds a rank and a number of ranks above
-one: torch's ``DistributedSampler`` and its subclasses, accelerate's ``BatchSamplerShard`` and
+fetcher: a map-style dataset's ``__getitem__``, then the ``collate_fn``) from data split among
+the ranks (the loader's sampler, or its dataset, holds a rank and a number of ranks above one:
+torch's ``DistributedSampler`` and its subclasses, accelerate's ``BatchSamplerShard`` and
 ``IterableDatasetShard``, samplers of the same pattern) is drawn for this rank's own samples: a
 collator's masking (Hugging Face's ``DataCollatorForLanguageModeling``), an augmentation, each
 over the rank's own batch shapes. Not compared across the ranks, as Rule 2 leaves a
 data-parallel forward's draws; a generator they moved apart is compared by what runs, not by
-state. What the stream itself draws under ``IterableDatasetShard`` is still Rule 5's.
+state. What an ``IterableDataset`` draws as it is iterated is not: a stream may shuffle
+before it splits itself by rank (every rank must then draw alike; under
+``IterableDatasetShard`` that is Rule 5's), so only its collation is the rank's own.
 """
 
 from __future__ import annotations
 
 import sys
 from types import CodeType, FrameType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "DISPATCHERS",
@@ -168,6 +170,7 @@ def data_reading(skip: int = 0) -> Reading:
     order: str | None = None  # the innermost sampler's label ("" with replacement), once met
     fetching = False  # a fetcher's frame is below: the op draws for a batch being read
     share = ""
+    below: FrameType | None = None  # the frame the current one called
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
         hit = known.get(id(code))
@@ -179,12 +182,13 @@ def data_reading(skip: int = 0) -> Reading:
                 if order is None:
                     order = "" if any(_with_replacement(f) for f in inner) else label
             elif kind == "fetch":
-                fetching = order is None  # (an order drawn in the stream under it is Rule 5's)
+                # (an order drawn in the stream under it is Rule 5's, any stream draw not ours)
+                fetching = order is None and not _iterating(frame, below)
             elif fetching and not share:  # the loader whose fetcher is below
                 share = _split_of(frame.f_locals.get("self"))
         elif order is None and code.co_name == "__iter__":
             inner.append(frame)
-        frame = frame.f_back
+        below, frame = frame, frame.f_back
         depth += 1
     return Reading(order=order or "", share=share) if order or share else NOT_READING
 
@@ -193,27 +197,44 @@ def _with_replacement(frame: FrameType) -> bool:
     return getattr(frame.f_locals.get("self"), "replacement", False) is True
 
 
+def _iterating(fetch: FrameType, callee: FrameType | None) -> bool:
+    """Whether an iterable-style fetcher's frame is running its dataset's iterator (``callee``,
+    the frame it called, is that iterator's: a generator's frame, or a method of the iterator
+    object), not its ``collate_fn``."""
+    it = getattr(fetch.f_locals.get("self"), "dataset_iter", None)
+    if it is None or callee is None:
+        return False
+    return callee is getattr(it, "gi_frame", None) or callee.f_locals.get("self") is it
+
+
 def _split_of(loader_iter: object) -> str:
     """What splits among the ranks the data of a single-process DataLoader iterator, in words
     ("torch's DistributedSampler"): its dataset (accelerate's ``IterableDatasetShard``) or a
     sampler in the chain from its index sampler (a batch sampler, a skip, a shard) that holds a
     rank and a number of ranks above one; "" when none does (every rank may read the same data,
     and what is drawn for it must agree)."""
-    try:  # (the user's samplers and datasets: a property that raises must not reach training)
-        candidates = [getattr(loader_iter, "_dataset", None)]
-        sampler = getattr(loader_iter, "_index_sampler", None)
-        for _ in range(_SAMPLER_DEPTH):
-            if sampler is None:
-                break
-            candidates.append(sampler)
-            sampler = getattr(sampler, "batch_sampler", None) or getattr(sampler, "sampler", None)
-        for obj in candidates:
-            for size, index in _SPLITS:
-                n = getattr(obj, size, None)
-                if type(n) is int and n > 1 and type(getattr(obj, index, None)) is int:
-                    cls = type(obj)
-                    top = cls.__module__.partition(".")[0]
-                    return cls.__name__ if top == "__main__" else f"{top}'s {cls.__name__}"
-    except Exception:  # noqa: BLE001 - unknown: compared, as a loader whose data is not split
-        return ""
+    candidates = [_attribute(loader_iter, "_dataset")]
+    sampler = _attribute(loader_iter, "_index_sampler")
+    for _ in range(_SAMPLER_DEPTH):
+        if sampler is None:
+            break
+        candidates.append(sampler)
+        inner = _attribute(sampler, "batch_sampler")
+        sampler = inner if inner is not None else _attribute(sampler, "sampler")
+    for obj in candidates:
+        for size, index in _SPLITS:
+            n = _attribute(obj, size)
+            if type(n) is int and n > 1 and type(_attribute(obj, index)) is int:
+                cls = type(obj)
+                top = cls.__module__.partition(".")[0]
+                return cls.__name__ if top == "__main__" else f"{top}'s {cls.__name__}"
     return ""
+
+
+def _attribute(obj: object, name: str) -> Any:
+    """``obj.name``, or None when it has none or reading it raises (the user's samplers and
+    datasets: a property that raises must not reach training; unknown means compared)."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001
+        return None

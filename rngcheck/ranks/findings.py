@@ -19,8 +19,8 @@ __all__ = [
     "Uncompared",
     "DATA_PARALLEL_WHY",
     "DISPATCHED_WHY",
-    "MODIFIED_WHY",
-    "OVERWRITTEN_WHY",
+    "GENERATE_WHY",
+    "GATHERED_WHY",
     "SHARE_WHY",
     "build_finding",
     "data_parallel_drift",
@@ -652,10 +652,10 @@ def _reseeded_by_user(event: RandomOpEvent) -> bool:
 
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
 DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
-SHARE_WHY = "loading this rank's own share of the data split by "  # ... and Rule 7's
-# ... and ZeRO-3's GatheredParameters(modifier_rank=r): on rank r, then on the others
-MODIFIED_WHY = "modifying parameters alone for deepspeed's GatheredParameters, which broadcasts "
-OVERWRITTEN_WHY = "drawing into parameters that deepspeed's GatheredParameters overwrites from "
+GENERATE_WHY = "in generate() of the module wrapped by "  # ... Rule 2's, sampling
+SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7's
+# ... and ZeRO-3's GatheredParameters(modifier_rank=r) (followed by r, on every rank)
+GATHERED_WHY = "inside a deepspeed GatheredParameters region broadcast by rank "
 
 
 def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
@@ -715,10 +715,12 @@ def _alone_phrase(rank: int, why: str) -> str:
         return f"while rank {rank} alone read every rank's batches for " + why.removeprefix(
             DISPATCHED_WHY
         )
-    return (
-        f"while rank {rank} alone modified parameters inside deepspeed's GatheredParameters, "
-        "which broadcasts them from it (ZeRO-3)"
-    )
+    if why.startswith(GATHERED_WHY):
+        return (
+            f"while rank {rank} drew inside a deepspeed GatheredParameters region broadcast by it "
+            "(ZeRO-3: the parameters it gathered are that rank's as it exits)"
+        )
+    return f"while rank {rank} drew {why}"
 
 
 def _own_batch(why: str) -> str:
@@ -727,6 +729,9 @@ def _own_batch(why: str) -> str:
     if why.startswith(DATA_PARALLEL_WHY):
         wrapper = why.removeprefix(DATA_PARALLEL_WHY)
         return f"in the forward and backward of {wrapper} (each rank's own batch shapes)"
+    if why.startswith(GENERATE_WHY):
+        wrapper = why.removeprefix(GENERATE_WHY)
+        return f"in generate() of the module {wrapper} wraps (each rank's own inputs)"
     if why.startswith(SHARE_WHY):
         split = why.removeprefix(SHARE_WHY)
         return (
