@@ -160,9 +160,9 @@ def data_reading(skip: int = 0) -> Reading:
     this rank reads every rank's batches for, and what splits among the ranks the data a
     DataLoader is fetching for this rank, or :data:`NOT_READING`. A walk of the live frames, a
     few microseconds (about 0.2 us a frame): the rank checker calls it for the random ops it
-    compares in a data-parallel program or one that loaded a dispatcher, which run outside the
-    wrappers' forward and backward (a shuffle, a collator's masking, a draw in the training
-    loop)."""
+    compares in a data-parallel program, one that loaded a dispatcher or read its own share of
+    the data, and before the first step, which run outside the wrappers' forward and backward
+    (a shuffle, a collator's masking, a draw in the training loop)."""
     known = _known()
     frame: FrameType | None = sys._getframe(skip + 1)
     depth = 0

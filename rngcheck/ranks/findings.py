@@ -41,7 +41,7 @@ class Uncompared(NamedTuple):
     site: str
     why: str  # "under expect('ignore')", "in the data-parallel forward/backward of ...", ...
     # Why the rank drew some of them alone, by design (reading every rank's batches for a
-    # dispatcher, Rule 6; modifying parameters ZeRO-3 then broadcasts from it), or "".
+    # dispatcher, Rule 6; inside a ZeRO-3 GatheredParameters region broadcast by it), or "".
     read_alone: str = ""
 
     @property
@@ -667,10 +667,9 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     state of its own (a resume), that generator (one rank's event of it) and how the ranks
     moved it apart ("the ranks drew different amounts from it in the forward and backward of
     ..."); else None. Not when a rank's op follows another seeding call of the user's: that is
-    the divergence to report. A
-    generator some rank found so before (``Detail.drifted``: its rows sent before every rank
-    knew still carry states) is one too. Decided from the gathered details only, so every rank
-    decides alike (P5)."""
+    the divergence to report. A generator some rank found so before (``Detail.drifted``: its
+    rows sent before every rank knew still carry states) is one too. Decided from the gathered
+    details only, so every rank decides alike (P5)."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
         return None
     evs = {r: d.event for r, d in details.items() if d.event is not None}
