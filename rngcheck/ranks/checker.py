@@ -18,7 +18,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -523,7 +523,7 @@ class RankChecker:
                 ),
             ),
             *_counted(
-                {str(src): count for src, count in self._gathered.items()},
+                self._gathered,
                 lambda src: (
                     f"random op(s) drawn inside a deepspeed GatheredParameters region broadcast "
                     f"by rank {src}: the parameters it gathered are rank {src}'s as it exits "
@@ -818,7 +818,7 @@ class RankChecker:
         self._handle.meta["rank_exchange"] = self.stats.to_dict()
 
 
-def _counted(counts: dict[str, int], say: Callable[[str], str]) -> list[Note]:
+def _counted(counts: Mapping[Any, int], say: Callable[[Any], str]) -> list[Note]:
     """A not_compared note for each entry of ``counts`` (what -> how many random ops): "not
     compared: N " followed by ``say(what)``."""
     return [

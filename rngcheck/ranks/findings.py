@@ -685,9 +685,9 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     if known:
         return first, known[0]
     forward = {  # rank -> how it drew for its own batch there (Rules 2 and 7), in words
-        r: _own_batch(d.uncompared.why)
+        r: how
         for r, d in details.items()
-        if d.uncompared is not None and _own_batch(d.uncompared.why)
+        if d.uncompared is not None and (how := _own_batch(d.uncompared.why))
     }
     alone = {r: d.uncompared.read_alone for r, d in details.items() if d.uncompared is not None}
     readers = sorted(r for r, why in alone.items() if why)
