@@ -11,6 +11,7 @@ alone (rank 0 sampling with generate(do_sample=True)).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Any
@@ -98,13 +99,15 @@ def hf_ddp_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode, digest=float(sum(w.double().sum() for w in weights)))
 
 
-def _hf_generate_on_rank0(reference: bool) -> int | None:
+def _hf_generate_on_rank0(reference: bool, forked: bool = False) -> int | None:
     """DDP over GPT-2; between two steps rank 0 alone samples text for its logs with
     Hugging Face's generate(), from the module DDP wraps, or with ``reference``, from a model no
     wrapper wraps (a frozen reference model, replicated on every rank); then every rank draws a
     shuffle from the default generator (after sampling from the wrapped module, it differs
     across the ranks and is compared by what runs only, as after any data-parallel draw; a note
-    says so). Returns the generate() call's line."""
+    says so). With ``forked``, rank 0 samples as the finding's advice says: inside
+    ``torch.random.fork_rng()`` (which puts the generator back) and ``expect("ignore")``.
+    Returns the generate() call's line."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import rngcheck
@@ -116,8 +119,11 @@ def _hf_generate_on_rank0(reference: bool) -> int | None:
     try:
         if torch.distributed.get_rank() == 0:  # a sample for the logs, drawn on rank 0 only
             sampler.eval()
-            line = sys._getframe().f_lineno + 1
-            sampler.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=3)
+            forking = torch.random.fork_rng() if forked else contextlib.nullcontext()
+            ignoring = rngcheck.expect("ignore") if forked else contextlib.nullcontext()
+            with forking, ignoring:
+                line = sys._getframe().f_lineno + 1
+                sampler.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=3)
             sampler.train(reference is False)
         torch.randperm(8)
         _hf_steps(model, 1, None)
@@ -138,6 +144,13 @@ def hf_ddp_reference_model_generates_on_rank0(rank: int, world: int) -> dict[str
     with _mode(on_finding="raise") as mode:
         line = _hf_generate_on_rank0(reference=True)
     return _summary(mode, line=line)
+
+
+def hf_ddp_reference_model_generates_on_rank0_forked(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with _mode(on_finding="raise") as mode:
+        _hf_generate_on_rank0(reference=True, forked=True)
+    return _summary(mode)
 
 
 def hf_ddp_rollouts_on_every_rank(rank: int, world: int) -> dict[str, Any]:
@@ -833,6 +846,7 @@ SCENARIOS = [
     "deepspeed_zero3_initialised_on_rank0_not_broadcast",
     "hf_ddp_generate_on_rank0",
     "hf_ddp_reference_model_generates_on_rank0",
+    "hf_ddp_reference_model_generates_on_rank0_forked",
     "hf_ddp_rollouts_on_every_rank",
 ]
 
@@ -1236,17 +1250,25 @@ def test_sampling_with_generate_on_the_wrapped_module_is_each_ranks_own(two: Any
 def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
     two: Any,
 ) -> None:
-    """A model outside data parallelism (a frozen reference model on every rank) is replicated
-    computation: rank 0 alone sampling from it is an extra random op of its own (Rule 1)."""
+    """A model outside data parallelism (a frozen reference model on every rank): every rank
+    must call its generate() (Rule 8), so rank 0 alone sampling from it is found at that call.
+    Done as the finding advises (the generator put back with fork_rng, under expect("ignore")),
+    it is quiet."""
     results = _results(two, "hf_ddp_reference_model_generates_on_rank0")
     line = results[0]["line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["differs"] == "op"
-        assert "rank 0 ran 3 extra random ops, the first, aten.multinomial" in f["cause"]
+        assert (
+            "rank 0 called generate() of GPT2LMHeadModel, sampling (its first random op "
+            "aten.multinomial.default at utils.py:"
+        ) in f["cause"], f["cause"]
+        assert "that rank 1 did not call there" in f["cause"], f["cause"]
         # The finding's stack goes through the user's generate() call.
         assert f"test_data_parallel.py:{line}" in f["frames"], f["frames"]
+    for rank, r in _results(two, "hf_ddp_reference_model_generates_on_rank0_forked").items():
+        assert r["findings"] == [], (rank, r["findings"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1438,6 +1460,62 @@ def test_hugging_face_trainer_under_deepspeed_zero3_is_quiet_and_unchanged(tmp_p
         "random op(s) drawn inside a deepspeed GatheredParameters region broadcast by rank 0: "
         "the parameters it gathered are rank 0's as it exits"
     ) in notes, notes
+
+
+def test_hugging_face_predict_sampling_on_every_rank_is_quiet_and_unchanged(
+    tmp_path: Any,
+) -> None:
+    """Rule 8 on Hugging Face's Seq2SeqTrainer.predict() with predict_with_generate and a
+    sampling generation config, before any training (no data-parallel wrapper exists): each
+    rank samples for its own share of the test set until its sequences end, its own number of
+    draws. Correct, so quiet (it was "rank 1 ran an extra random op, aten.multinomial"), and
+    bitwise as without rngcheck."""
+    plain = _torchrun_script("predict_hf_seq2seq.py", tmp_path / "plain", RNGCHECK="0")
+    reports = tmp_path / "reports"
+    checked = _torchrun_script(
+        "predict_hf_seq2seq.py", tmp_path / "checked", RNGCHECK_REPORT=str(reports)
+    )
+    assert "random op(s) checked on rank 0 of 2, no findings" in checked["stderr"], checked[
+        "stderr"
+    ][-3000:]
+    assert checked["results"] == plain["results"]
+    counts = []
+    for rank in (0, 1):
+        notes = [
+            n["message"] for n in json.loads((reports / f"rank{rank}.json").read_text())["notes"]
+        ]
+        sampled = [n for n in notes if "in generate() of T5ForConditionalGeneration, which no" in n]
+        assert len(sampled) == 1, notes
+        counts.append(int(sampled[0].split("not compared: ")[1].split(" ")[0]))
+    assert counts[0] != counts[1], counts  # each rank drew its own number: compared, a finding
+
+
+def test_hugging_face_trainer_left_unwrapped_after_predict_is_found(tmp_path: Any) -> None:
+    """Seq2SeqTrainer.predict() before train(): with accelerate 1.16 the evaluation's prepare
+    marks the model prepared, so train() never wraps it in DDP and each rank trains a model of
+    its own on its own batches (the plain run's ranks end with different parameters). The
+    checked run finds it at the first dropout whose shapes differ across the ranks, says that no
+    rank knows a data-parallel wrapper, and trains bitwise as the plain run. Should a later
+    accelerate wrap it again, the plain run's ranks agree and the checked run is quiet."""
+    plain = _torchrun_script("predict_hf_seq2seq.py", tmp_path / "plain", RNGCHECK="0", TRAIN="1")
+    reports = tmp_path / "reports"
+    checked = _torchrun_script(
+        "predict_hf_seq2seq.py",
+        tmp_path / "checked",
+        TRAIN="1",
+        RNGCHECK_ON_FINDING="record",
+        RNGCHECK_REPORT=str(reports),
+    )
+    assert checked["results"] == plain["results"]
+    ranks = [json.loads(plain["results"][r]) for r in (0, 1)]
+    report = json.loads((reports / "rank0.json").read_text())
+    if ranks[0]["parameters"] == ranks[1]["parameters"]:  # wrapped: DDP kept them equal
+        assert report["findings"] == [], report["findings"]
+        return
+    assert len(report["findings"]) == 1, report["findings"]
+    f = report["findings"][0]
+    assert f["kind"] == "rank_divergence" and "modeling_t5.py" in f["message"], f["message"]
+    assert "No rank knows a data-parallel wrapper" in f["cause"], f["cause"]
 
 
 def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:

@@ -4,11 +4,12 @@
 Rows wait in the pending window until an exchange point: every random op (``sync="op"``) or
 optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
 torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
-compared follows the data-parallel rules (Rules 1 to 7, docs/data-parallel.md):
+compared follows the data-parallel rules (Rules 1 to 8, docs/data-parallel.md):
 ops of a data-parallel forward/backward, of per-rank streams, of one rank reading every rank's
 batches and of a rank loading its own share of the data are not compared, parameter
-initialisations are settled at the first step unless a wrapper broadcast them, and an order a
-sampler splits among the ranks is compared by state.
+initialisations are settled at the first step unless a wrapper broadcast them, an order a
+sampler splits among the ranks is compared by state, and a generate() call on a model no
+wrapper wraps is compared as a call, not by what it samples.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .findings import (
     DISPATCHED_WHY,
     GATHERED_WHY,
     GENERATE_WHY,
+    SAMPLED_WHY,
     SHARE_WHY,
     Detail,
     Uncompared,
@@ -109,6 +111,7 @@ class _Round:
     first_use: set[int]
     uncompared: dict[int, _Unchecked]
     orders: dict[int, str]  # pending index -> the sampler splitting the order it drew (Rule 5)
+    calls: dict[int, str]  # pending index -> the generate() call it was compared as (Rule 8)
     vec: torch.Tensor
     parts: dict[int, list[Row]]
     stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
@@ -167,6 +170,7 @@ class RankChecker:
         self._uncompared: dict[str, _Unchecked] = {}  # generator -> its uncompared ops since
         self._uncompared_before: dict[int, _Unchecked] = {}  # pending index -> those ops
         self._orders: dict[int, str] = {}  # pending index -> its sharding sampler (Rule 5)
+        self._calls: dict[int, str] = {}  # pending index -> its generate() call (Rule 8)
         # Data parallelism, the rules of docs/data-parallel.md (cited as Rule N):
         # Rule 2, ops of a data-parallel forward/backward are not compared; Rule 3, a generator
         # seeded per rank in a data-parallel program is a per-rank stream; Rule 4, parameter
@@ -174,7 +178,8 @@ class RankChecker:
         # Rule 5, an order a sampler splits among the ranks is compared by state; Rule 6, the
         # ops of one rank reading every rank's batches (data_reading.py) or modifying parameters
         # ZeRO-3 broadcasts from it (data_parallel.py) are not compared; Rule 7, nor those of a
-        # rank loading its own share of the data (data_reading.py).
+        # rank loading its own share of the data (data_reading.py); Rule 8, what a generate()
+        # call on a model no wrapper wraps samples (the call itself is compared, by its first op).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
@@ -190,6 +195,7 @@ class RankChecker:
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
+        self._sampled: dict[str, int] = {}  # model class -> its generate() calls' ops uncompared
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
@@ -217,7 +223,7 @@ class RankChecker:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy or not self._checking:
             return
-        why, order = self._judge(event, mesh)
+        why, order, call = self._judge(event, mesh)
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
@@ -233,7 +239,9 @@ class RankChecker:
                     self._uncompared[key] = _Unchecked(1, event, why, read)
             return
         with self._lock:
-            self._add(event, mesh, written, order)
+            self._add(event, mesh, written, order, call)
+            if call:  # (a generate() call's first op: what it drew is the rank's own, as the rest)
+                self._uncompared[gen_key(event)] = _Unchecked(1, event, call, "")
         if self._cfg.sync == "op":
             self._exchange(Point.RANDOM_OP, event.op)
         elif len(self._rows) >= self._cfg.every_ops:
@@ -343,6 +351,7 @@ class RankChecker:
                     first_use=set(),
                     uncompared={},
                     orders={},
+                    calls={},
                     vec=torch.zeros(1, dtype=torch.int64),
                     parts={},
                     stack=None,
@@ -356,30 +365,40 @@ class RankChecker:
 
     # -- which rows are compared -----------------------------------------------------------------
 
-    def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str]:
-        """Why this op is not compared across ranks ("" when it is), and the sampler that splits
+    def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str, str]:
+        """Why this op is not compared across ranks ("" when it is), the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
-        program only). The frames are walked once, in a data-parallel program, one that loaded a
+        program only), and, for the first op of a generate() call on a model no wrapper wraps,
+        why the call's ops are this rank's own (the op is compared as the call; "" for any
+        other). The frames are walked once, in a data-parallel program, one that loaded a
         dispatcher (Rule 6) or reads its own share of the data (Rule 7, also before the first
         step), and not for the ops of a wrapper's forward."""
         if event.expect == "ignore":
-            return "under expect('ignore')", ""
+            return "under expect('ignore')", "", ""
         if mesh is not None:
-            return "", ""  # declared: DTensor's contract (its mesh)
+            return "", "", ""  # declared: DTensor's contract (its mesh)
         declared = current_expectation() is not None  # the user's expect block
         src = None if declared else self._dp.modifier()
         if src is not None:  # Rule 6, ZeRO-3: rank src modifies, the region broadcasts from it
             self._gathered[src] = self._gathered.get(src, 0) + 1
-            return f"{GATHERED_WHY}{src}", ""
+            return f"{GATHERED_WHY}{src}", "", ""
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
                 self._dp.count(wrapper)
-                return f"{DATA_PARALLEL_WHY}{wrapper.label}", ""
+                return f"{DATA_PARALLEL_WHY}{wrapper.label}", "", ""
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
                 self._dp.count(wrapper, generated=True)
-                return f"{GENERATE_WHY}{wrapper.label}", ""
+                return f"{GENERATE_WHY}{wrapper.label}", "", ""
+            call = self._dp.sampling()
+            if call is not None:  # Rule 8: the call is compared, what it samples is the rank's
+                self._sampled[call.label] = self._sampled.get(call.label, 0) + 1
+                why = f"{SAMPLED_WHY}{call.label}"
+                if call.drew:
+                    return why, "", ""
+                call.drew = True
+                return "", "", why
         # (Rule 7 holds without a known wrapper, which one built before the mode is until its
         # first forward: the frames are walked until the first step, and on once a rank's own
         # share of the data was seen)
@@ -393,17 +412,21 @@ class RankChecker:
         if reading.dispatcher and not declared:  # Rule 6: this rank reads for every rank
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
-            return why, ""
+            return why, "", ""
         order = reading.order if self._dp.wrappers else ""
         if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
-            return f"{SHARE_WHY}{reading.share}", ""
+            return f"{SHARE_WHY}{reading.share}", "", ""
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
-            return "on a per-rank stream", ""
-        return "", order
+            return "on a per-rank stream", "", ""
+        return "", order, ""
 
-    def _add(self, event: RandomOpEvent, mesh: Any, written: Any, order: str) -> None:
-        """Record a compared op; ``order``: the sampler splitting the order it drew (Rule 5)."""
+    def _add(
+        self, event: RandomOpEvent, mesh: Any, written: Any, order: str, call: str = ""
+    ) -> None:
+        """Record a compared op; ``order``: the sampler splitting the order it drew (Rule 5);
+        ``call``: the generate() call it is the first op of, compared as that call (what it
+        samples, its arguments and states, are the rank's own)."""
         exp = current_expectation()
         spec = exp.group if exp is not None else None
         members = self._groups.members(spec, mesh)
@@ -424,6 +447,8 @@ class RankChecker:
         # the other rules say of its generator.
         if order:
             self._orders[len(self._pending)] = order
+        if call:
+            self._calls[len(self._pending)] = call
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
         drifted = self._drifted.get(gen) if self._drifted else None
         if drifted is not None:
@@ -432,9 +457,9 @@ class RankChecker:
                 rebased = True
             else:  # reseeded or restored since (by the user): its states are compared again
                 del self._drifted[gen]
-        rebased = rebased and not order
+        rebased = (rebased and not order) or bool(call)
         row = Row(
-            structure=text_hash(event.op, gen, *event.args),
+            structure=text_hash(call, gen) if call else text_hash(event.op, gen, *event.args),
             stream=stream,
             before=event.before if event.before is not None and not rebased else 0,
             after=event.after if event.after is not None and not rebased else 0,
@@ -505,6 +530,14 @@ class RankChecker:
                 lambda label: (
                     f"random op(s) in generate() of the module {label} wraps "
                     "(data-parallel: each rank samples for its own inputs)."
+                ),
+            ),
+            *_counted(
+                self._sampled,
+                lambda label: (
+                    f"random op(s) in generate() of {label}, which no data-parallel wrapper "
+                    "wraps: each rank samples for its own inputs (its calls are compared, one "
+                    "for one, across the ranks)."
                 ),
             ),
             *_counted(
@@ -621,6 +654,7 @@ class RankChecker:
             first_use=self._first_use,
             uncompared=self._uncompared_before,
             orders=self._orders,
+            calls=self._calls,
             vec=vec,
             parts=parts,
             stack=Stack.capture() if pipelined else None,
@@ -679,6 +713,7 @@ class RankChecker:
         self._first_use = set()
         self._uncompared_before = {}
         self._orders = {}
+        self._calls = {}
 
     # -- slow path: gather the windows, find the first divergent op, gather its detail -------
 
@@ -726,6 +761,7 @@ class RankChecker:
                 if event is not None
                 else "",
                 order=sent.orders.get(index, "") if not init else "",
+                call=sent.calls.get(index, "") if not init else "",
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()

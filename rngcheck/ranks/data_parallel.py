@@ -14,7 +14,11 @@ is made inside its construction), and ``deepspeed.zero.Init`` from each paramete
 Hugging Face's ``generate()`` called on the module a wrapper wraps (``model.module.generate``,
 accelerate's ``unwrap_model``: reinforcement-learning rollouts) samples for this rank's own
 inputs, as the wrapper's forward computes on its own batch: the tracker keeps, per thread, the
-wrapper whose module is generating.
+wrapper whose module is generating. ``generate()`` on a model no wrapper wraps (evaluation with
+``predict_with_generate`` before or without training, a frozen reference model) samples for the
+inputs it is given as well, but whether every rank samples is still a claim about the program:
+the tracker keeps the outermost such call (:class:`Sampling`), whose first random op the rank
+checker compares as the call itself, and the rest as that rank's own.
 
 ZeRO-3's ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` gathers partitioned
 parameters, lets rank ``r`` modify them, and broadcasts them from it as it exits: Hugging Face
@@ -53,7 +57,7 @@ import torch
 
 from ..core.imports import watch_imports
 
-__all__ = ["DataParallelTracker", "Wrapper"]
+__all__ = ["DataParallelTracker", "Sampling", "Wrapper"]
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +140,21 @@ def _states(module: torch.nn.Module, buffers: bool) -> dict[str, frozenset[int]]
     return {"tensors": frozenset(map(id, tensors)), "storages": frozenset(storages)}
 
 
+@dataclass(slots=True)
+class Sampling:
+    """A ``generate()`` call on a model no known wrapper wraps, running on this thread."""
+
+    label: str  # the model's class ("LlamaForCausalLM")
+    drew: bool = False  # its first random op was seen (compared as the call)
+
+
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Wrapper] = []
         # the rank each GatheredParameters region entered broadcasts from (None: no modifier)
         self.modifiers: list[int | None] = []
         self.generating: list[Wrapper] = []  # the wrappers whose modules are in generate()
+        self.sampling: list[Sampling] = []  # generate() calls on models no wrapper wraps
 
 
 class DataParallelTracker:
@@ -179,6 +192,13 @@ class DataParallelTracker:
         ``generate()``), or None."""
         generating = self._local.generating
         return generating[-1] if generating else None
+
+    def sampling(self) -> Sampling | None:
+        """The outermost ``generate()`` call on a model no known wrapper wraps running on this
+        thread (a model's own generate() calls inside it, assisted decoding's, are part of it),
+        or None."""
+        calls = self._local.sampling
+        return calls[0] if calls else None
 
     def modifier(self) -> int | None:
         """The global rank whose modifications the innermost ZeRO-3 ``GatheredParameters``
@@ -268,6 +288,7 @@ class DataParallelTracker:
         self._local.stack.clear()
         self._local.modifiers.clear()
         self._local.generating.clear()
+        self._local.sampling.clear()
         self.backward = None
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
@@ -334,21 +355,23 @@ class DataParallelTracker:
 
     def _wrap_generate(self, cls: Any) -> None:
         """Hugging Face's ``GenerationMixin.generate``: on the module a known wrapper wraps (or on
-        a ``fully_shard`` module, its own wrapper), that wrapper is generating until it returns."""
+        a ``fully_shard`` module, its own wrapper), that wrapper is generating until it returns;
+        on any other model, a :class:`Sampling` call is running."""
         original = cls.generate
         tracker = self
 
         @functools.wraps(original)
         def generate(model: Any, /, *args: Any, **kwargs: Any) -> Any:
             wrapper = tracker._wrapping(model)
+            calls: list[Any] = tracker._local.generating
+            entry: Wrapper | Sampling | None = wrapper
             if wrapper is None:
-                return original(model, *args, **kwargs)
-            generating = tracker._local.generating
-            generating.append(wrapper)
+                calls, entry = tracker._local.sampling, Sampling(type(model).__name__)
+            calls.append(entry)
             try:
                 return original(model, *args, **kwargs)
             finally:
-                generating.pop()
+                calls.pop()
 
         self._patch(cls, "generate", generate)
 

@@ -21,6 +21,7 @@ __all__ = [
     "DISPATCHED_WHY",
     "GENERATE_WHY",
     "GATHERED_WHY",
+    "SAMPLED_WHY",
     "SHARE_WHY",
     "build_finding",
     "data_parallel_drift",
@@ -67,6 +68,9 @@ class Detail:
     drifted: str = ""
     # The sampler that splits among the ranks the order this op drew (Rule 5); "" when none.
     order: str = ""
+    # Why this op was compared as the generate() call it began (Rule 8: SAMPLED_WHY and the
+    # model), not as itself; "" for any other op.
+    call: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +81,7 @@ class Detail:
             "wrappers": list(self.wrappers),
             "drifted": self.drifted,
             "order": self.order,
+            "call": self.call,
         }
 
     @classmethod
@@ -90,6 +95,7 @@ class Detail:
             wrappers=tuple(data.get("wrappers", ())),
             drifted=str(data.get("drifted", "")),
             order=str(data.get("order", "")),
+            call=str(data.get("call", "")),
         )
 
 
@@ -214,7 +220,10 @@ def _flow_finding(
                 f"{ev.site}, that {_ranks_word(extra_side)} ran (control flow that depends on "
                 "the rank)"
             )
-        if any(_DATA_DIR in f.filename for f in ev.stack.frames):
+        call = details[extra_side[0]].call
+        if call:  # (Rule 8: the op stands for the call; the rest of what it drew is not compared)
+            cause = _call_cause(call, ev, extra_side, others)
+        elif any(_DATA_DIR in f.filename for f in ev.stack.frames):
             cause += (
                 ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
                 "from the global generator, so iterating a loader on some ranks only shifts every "
@@ -238,6 +247,11 @@ def _flow_finding(
                 ", seeded alike on every rank, so its states part here and every later draw "
                 "from it differs across ranks. Draw per-rank work from a generator seeded per rank"
                 if _seeded_alike(events.values())
+                else ""
+            )
+            + (
+                _UNWRAPPED
+                if _in_a_module(lead_event) and not any(d.wrappers for d in details.values())
                 else ""
             )
         )
@@ -273,6 +287,45 @@ def _flow_finding(
         sides=sides,
         seq=lead.seq,
     )
+
+
+def _call_cause(
+    call: str, ev: RandomOpEvent, extra: tuple[int, ...], others: tuple[int, ...]
+) -> str:
+    """Some ranks sampled with generate() on a model no wrapper wraps where the others did not."""
+    model = call.removeprefix(SAMPLED_WHY)
+    what = f"generate() of {model}, sampling (its first random op {ev.op} at {ev.site})"
+    if len(extra) <= len(others):
+        cause = f"{_ranks_word(extra)} called {what}, that {_ranks_word(others)} did not call there"
+    else:  # most ranks called it: the few skipped it
+        cause = f"{_ranks_word(others)} skipped a call of {what}, that {_ranks_word(extra)} made"
+    return (
+        cause + f" (control flow that depends on the rank): it moved {ev.generator.label} "
+        f"on {_ranks_word(extra)} alone ({model} is no data-parallel wrapper's module), so "
+        "later draws from it that must agree across the ranks (a shuffle, an initialisation) "
+        "differ. Sample on every rank, or "
+        "put the generator back after sampling alone: with torch.random.fork_rng(), "
+        'rngcheck.expect("ignore"): model.generate(...)'
+    )
+
+
+# (a divergence in arguments where no rank knows a data-parallel wrapper: per-rank batches
+# through a model nothing wraps)
+_UNWRAPPED = (
+    ". No rank knows a data-parallel wrapper (torch's DDP, FSDP, fully_shard, DeepSpeed's "
+    "engine): if this is a model training on each rank's own batch, nothing averages its "
+    "gradients and each rank trains a model of its own. Wrap it (Hugging Face's Trainer leaves "
+    "it unwrapped when evaluate() or predict() ran before train(), with accelerate 1.16: see "
+    "rngcheck's docs on data parallelism)"
+)
+
+
+def _in_a_module(event: RandomOpEvent) -> bool:
+    """Whether the op ran inside a torch.nn.Module's call (a model's forward)."""
+    return any(f.filename.endswith(_MODULE_FILE) for f in event.stack.frames)
+
+
+_MODULE_FILE = "/torch/nn/modules/module.py"
 
 
 def _same_call_site(sides: Sequence[Side]) -> bool:
@@ -654,6 +707,7 @@ DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared
 DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
 GENERATE_WHY = "in generate() of the module wrapped by "  # ... Rule 2's, sampling
 SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7's
+SAMPLED_WHY = "in a generate() call of "  # ... and Rule 8's (a model no wrapper wraps)
 # ... and ZeRO-3's GatheredParameters(modifier_rank=r) (followed by r, on every rank)
 GATHERED_WHY = "inside a deepspeed GatheredParameters region broadcast by rank "
 
@@ -731,6 +785,9 @@ def _own_batch(why: str) -> str:
     if why.startswith(GENERATE_WHY):
         wrapper = why.removeprefix(GENERATE_WHY)
         return f"in generate() of the module {wrapper} wraps (each rank's own inputs)"
+    if why.startswith(SAMPLED_WHY):
+        model = why.removeprefix(SAMPLED_WHY)
+        return f"in generate() of {model} (each rank's own inputs)"
     if why.startswith(SHARE_WHY):
         split = why.removeprefix(SHARE_WHY)
         return (
