@@ -22,6 +22,29 @@ transformers.logging.set_verbosity_error()
 VOCAB = 64
 
 
+def bert_tokenizer() -> Any:
+    """A word-level BERT tokenizer over the tiny vocabulary (its file written here: nothing is
+    downloaded)."""
+    import tempfile
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    vocab = os.path.join(tempfile.mkdtemp(), "vocab.txt")
+    with open(vocab, "w") as f:
+        f.write("\n".join(words))
+    return transformers.BertTokenizerFast(vocab_file=vocab)
+
+
+def parameters_digest(model: torch.nn.Module) -> str:
+    """A digest of a model's parameters, to compare runs (and ranks) bitwise."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _gpt2(p: float) -> Any:
     return transformers.GPT2LMHeadModel, transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,

@@ -105,7 +105,12 @@ _SPLITS = (
     ("num_replicas", "rank"),  # torch's DistributedSampler and its kind
     ("num_processes", "process_index"),  # accelerate's shards
     ("data_parallel_size", "data_parallel_rank"),  # Megatron-LM's samplers
+    ("world_size", "rank"),  # Hugging Face datasets' DistributedConfig (below)
 )
+# An IterableDataset of Hugging Face's datasets split by split_dataset_by_node keeps the split in
+# its DistributedConfig (rank, world_size) here:
+_HF_SPLIT = "_distributed"
+_HF_SPLIT_LABEL = "Hugging Face datasets' split_dataset_by_node"
 
 # The functions above by their code objects (a frame runs one exactly: a subclass overriding
 # the method runs its own), resolved as their modules are imported: code -> (label, kind)
@@ -209,11 +214,14 @@ def _iterating(fetch: FrameType, callee: FrameType | None) -> bool:
 
 def _split_of(loader_iter: object) -> str:
     """What splits among the ranks the data of a single-process DataLoader iterator, in words
-    ("torch's DistributedSampler"): its dataset (accelerate's ``IterableDatasetShard``) or a
-    sampler in the chain from its index sampler (a batch sampler, a skip, a shard) that holds a
-    rank and a number of ranks above one; "" when none does (every rank may read the same data,
-    and what is drawn for it must agree)."""
-    candidates = [_attribute(loader_iter, "_dataset")]
+    ("torch's DistributedSampler"): its dataset (accelerate's ``IterableDatasetShard``, a
+    Hugging Face streaming dataset split by ``split_dataset_by_node``) or a sampler in the chain
+    from its index sampler (a batch sampler, a skip, a shard) that holds a rank and a number of
+    ranks above one; "" when none does (every rank may read the same data, and what is drawn
+    for it must agree)."""
+    dataset = _attribute(loader_iter, "_dataset")
+    split = _attribute(dataset, _HF_SPLIT)
+    candidates = [dataset, split] if split is not None else [dataset]
     sampler = _attribute(loader_iter, "_index_sampler")
     for _ in range(_SAMPLER_DEPTH):
         if sampler is None:
@@ -225,6 +233,8 @@ def _split_of(loader_iter: object) -> str:
         for size, index in _SPLITS:
             n = _attribute(obj, size)
             if type(n) is int and n > 1 and type(_attribute(obj, index)) is int:
+                if obj is split:
+                    return _HF_SPLIT_LABEL
                 cls = type(obj)
                 top = cls.__module__.partition(".")[0]
                 return cls.__name__ if top == "__main__" else f"{top}'s {cls.__name__}"

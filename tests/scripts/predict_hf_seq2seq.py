@@ -13,7 +13,6 @@ Writes ``result<RANK>.json`` into the directory given as the first argument: the
 and with ``TRAIN=1`` a digest of the trained parameters and the logged losses.
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -88,10 +87,7 @@ def main() -> None:
     result: dict[str, Any] = {"predictions": trainer.predict(Pairs(12, 2)).predictions.tolist()}
     if TRAIN:
         trainer.train()
-        digest = hashlib.sha256()
-        for p in model.parameters():
-            digest.update(p.detach().contiguous().numpy().tobytes())
-        result["parameters"] = digest.hexdigest()
+        result["parameters"] = _hf.parameters_digest(model)
         result["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     rank = os.environ.get("RANK", "0")
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:

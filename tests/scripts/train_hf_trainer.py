@@ -33,11 +33,9 @@ its config after the TrainingArguments, is made under ``deepspeed.zero.Init`` an
 rank 0 alone inside ``GatheredParameters(..., modifier_rank=0)``, which broadcasts it.
 """
 
-import hashlib
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -97,13 +95,8 @@ def pad_to_longest(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tens
 
 def masking_collator() -> Callable[[list[dict[str, torch.Tensor]]], Any]:
     """Hugging Face's masked-language-modelling collator, with a word-level tokenizer over the
-    tiny vocabulary (written here: nothing is downloaded)."""
-    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    words += [f"w{i}" for i in range(_hf.VOCAB - len(words))]
-    vocab = os.path.join(tempfile.mkdtemp(), "vocab.txt")
-    with open(vocab, "w") as f:
-        f.write("\n".join(words))
-    tokenizer = transformers.BertTokenizerFast(vocab_file=vocab)
+    tiny vocabulary (tests/_hf.py: nothing is downloaded)."""
+    tokenizer = _hf.bert_tokenizer()
     mlm = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
 
     def collate(batch: list[dict[str, torch.Tensor]]) -> Any:
@@ -159,13 +152,10 @@ def main() -> None:
         data_collator=masking_collator() if MLM else pad_to_longest,
     )
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     rank = os.environ.get("RANK", "0")
     with open(os.path.join(out, f"result{rank}.json"), "w") as f:
-        json.dump({"parameters": digest.hexdigest(), "losses": losses, "seen": SEEN}, f)
+        json.dump({"parameters": _hf.parameters_digest(model), "losses": losses, "seen": SEEN}, f)
     print("training finished", flush=True)
     if torch.distributed.is_initialized():
         # (without it, gloo's threads may still be running as the interpreter exits, which

@@ -7,7 +7,6 @@ DDP as ``DistributedDataParallel(module=...)``.
 Each rank writes ``OUT/result<rank>.json``: a digest of its trained parameters.
 """
 
-import hashlib
 import json
 import os
 import sys
@@ -54,11 +53,8 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, data)
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
     with open(os.path.join(out, f"result{trainer.global_rank}.json"), "w") as f:
-        json.dump({"parameters": digest.hexdigest()}, f)
+        json.dump({"parameters": _hf.parameters_digest(model)}, f)
     print("training finished", flush=True)
 
 
