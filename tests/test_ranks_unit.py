@@ -216,6 +216,61 @@ def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() 
     assert "rank 1 ran aten.randint.low_generator on Generator #2" in f.cause
 
 
+def test_a_generate_call_on_some_ranks_only_is_said_as_the_call() -> None:
+    """Rule 8: a row that stands for a generate() call (Detail.call) on some ranks and not on
+    the others is said as the call, whichever side is the smaller."""
+    from rngcheck.ranks.findings import SAMPLED_WHY
+
+    call, dropout = _row("call", 11, 0), _row("bernoulli", 1, 2)
+    sampled = _event(4, "aten.multinomial.default", ("utils.py", 3277))
+    for callers, world in (((0,), 2), ((0, 2), 3)):
+        windows = {r: [call, dropout] if r in callers else [dropout] for r in range(world)}
+        details = {
+            r: Detail.from_dict(
+                {"event": sampled, "point": "x", "call": f"{SAMPLED_WHY}GPT2LMHeadModel"}
+            )
+            if r in callers
+            else _d(_event(4, "aten.bernoulli_.float", ("model.py", 9)), "x")
+            for r in range(world)
+        }
+        spot = localise(windows, dict.fromkeys(windows, Point.EXIT))
+        f = build_finding(spot, windows, details, tuple(range(world)))
+        what = "generate() of GPT2LMHeadModel, sampling (its first random op "
+        if world == 2:
+            assert f.cause.startswith(f"rank 0 called {what}"), f.cause
+            assert "where rank 1 did not sample (no call there, or one that drew" in f.cause
+        else:
+            assert f.cause.startswith("rank 1 did not sample (no call there"), f.cause
+            assert f"where ranks 0,2 called {what}" in f.cause, f.cause
+        assert "torch.random.fork_rng(), rngcheck.expect" in f.cause
+
+
+def test_different_arguments_in_a_forward_say_when_no_rank_knows_a_wrapper() -> None:
+    """A divergence in arguments inside a module's call where no rank knows a data-parallel
+    wrapper says so (a model each rank trains alone); with a wrapper known, or outside a
+    module, it does not."""
+    module = torch.nn.modules.module.__file__
+    windows = {r: [_row(f"bernoulli{r}", 11, 12)] for r in range(2)}
+    spot = localise(windows, dict.fromkeys(windows, Point.EXIT))
+
+    def cause(in_module: bool, wrappers: tuple[str, ...]) -> str:
+        details = {}
+        for r in range(2):
+            event = _event(3, "aten.bernoulli_.float", ("model.py", 9), torch_frame=module)
+            if not in_module:
+                event["stack"] = event["stack"][:1]
+            event["args"] = [f"float32[4, {9 + r}, 32]"]
+            detail = _d(event, "x").to_dict()
+            detail["wrappers"] = list(wrappers)
+            details[r] = Detail.from_dict(detail)
+        return build_finding(spot, windows, details, (0, 1)).cause
+
+    unwrapped = "No rank knows a data-parallel wrapper"
+    assert "with different arguments" in cause(True, ()) and unwrapped in cause(True, ())
+    assert unwrapped not in cause(True, ("DistributedDataParallel over ranks 0-1",))
+    assert unwrapped not in cause(False, ())
+
+
 def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_data() -> None:
     from rngcheck.core.events import OutOfBandChange, SeedCall
     from rngcheck.ranks.findings import (

@@ -179,7 +179,8 @@ class RankChecker:
         # ops of one rank reading every rank's batches (data_reading.py) or modifying parameters
         # ZeRO-3 broadcasts from it (data_parallel.py) are not compared; Rule 7, nor those of a
         # rank loading its own share of the data (data_reading.py); Rule 8, what a generate()
-        # call on a model no wrapper wraps samples (the call itself is compared, by its first op).
+        # call on a model no wrapper wraps samples (the call itself is compared, by its first
+        # op's place and the state it starts from).
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
@@ -195,7 +196,7 @@ class RankChecker:
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
-        self._sampled: dict[str, int] = {}  # model class -> its generate() calls' ops uncompared
+        self._sampled: dict[str, int] = {}  # model class -> ops of its generate() calls, uncompared
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
@@ -393,9 +394,9 @@ class RankChecker:
                 return f"{GENERATE_WHY}{wrapper.label}", "", ""
             call = self._dp.sampling()
             if call is not None:  # Rule 8: the call is compared, what it samples is the rank's
-                self._sampled[call.label] = self._sampled.get(call.label, 0) + 1
                 why = f"{SAMPLED_WHY}{call.label}"
                 if call.drew:
+                    self._sampled[call.label] = self._sampled.get(call.label, 0) + 1
                     return why, "", ""
                 call.drew = True
                 return "", "", why
@@ -425,8 +426,9 @@ class RankChecker:
         self, event: RandomOpEvent, mesh: Any, written: Any, order: str, call: str = ""
     ) -> None:
         """Record a compared op; ``order``: the sampler splitting the order it drew (Rule 5);
-        ``call``: the generate() call it is the first op of, compared as that call (what it
-        samples, its arguments and states, are the rank's own)."""
+        ``call``: the generate() call it is the first op of, compared as that call: the state
+        it starts from (what it samples, its arguments and the state after, are the rank's
+        own)."""
         exp = current_expectation()
         spec = exp.group if exp is not None else None
         members = self._groups.members(spec, mesh)
@@ -457,12 +459,13 @@ class RankChecker:
                 rebased = True
             else:  # reseeded or restored since (by the user): its states are compared again
                 del self._drifted[gen]
-        rebased = (rebased and not order) or bool(call)
+        rebased = rebased and not order
         row = Row(
+            # (a generate() call's row: the state it starts from is compared, not what it drew)
             structure=text_hash(call, gen) if call else text_hash(event.op, gen, *event.args),
             stream=stream,
             before=event.before if event.before is not None and not rebased else 0,
-            after=event.after if event.after is not None and not rebased else 0,
+            after=event.after if event.after is not None and not (rebased or call) else 0,
             policy=code,
             # (an order's rows stay when Rules 2 and 3 drop or relax its generator's rows)
             generator=text_hash(gen, "order") if order else text_hash(gen),

@@ -16,9 +16,11 @@ accelerate's ``unwrap_model``: reinforcement-learning rollouts) samples for this
 inputs, as the wrapper's forward computes on its own batch: the tracker keeps, per thread, the
 wrapper whose module is generating. ``generate()`` on a model no wrapper wraps (evaluation with
 ``predict_with_generate`` before or without training, a frozen reference model) samples for the
-inputs it is given as well, but whether every rank samples is still a claim about the program:
-the tracker keeps the outermost such call (:class:`Sampling`), whose first random op the rank
-checker compares as the call itself, and the rest as that rank's own.
+inputs it is given as well, but whether every rank samples, and from what state, is still a
+claim about the program: the tracker keeps the outermost such call (:class:`Sampling`), whose
+first random op the rank checker compares as the call itself (by the state it starts from), and
+the rest as that rank's own. A model with DTensor parameters (tensor parallelism) is not one:
+its peers must sample alike.
 
 ZeRO-3's ``deepspeed.zero.GatheredParameters(params, modifier_rank=r)`` gathers partitioned
 parameters, lets rank ``r`` modify them, and broadcasts them from it as it exits: Hugging Face
@@ -366,6 +368,8 @@ class DataParallelTracker:
             calls: list[Any] = tracker._local.generating
             entry: Wrapper | Sampling | None = wrapper
             if wrapper is None:
+                if _tensor_parallel(model):  # its peers must sample alike: compared (Rule 1)
+                    return original(model, *args, **kwargs)
                 calls, entry = tracker._local.sampling, Sampling(type(model).__name__)
             calls.append(entry)
             try:
@@ -510,6 +514,19 @@ class DataParallelTracker:
                 if mesh is not None:
                     return Wrapper(kind="fully_shard", ranks=_mesh_ranks(mesh))
         return None
+
+
+def _tensor_parallel(model: Any) -> bool:
+    """Whether a model holds DTensor parameters (Hugging Face's ``tp_plan``, torch's
+    ``parallelize_module``): its tensor-parallel peers run one computation, and must sample
+    alike."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return False
+    try:
+        return any(isinstance(p, dtensor) for p in model.parameters())
+    except Exception:  # noqa: BLE001 - never break the user's generate(): compared, then
+        return True
 
 
 def _call(own: Any, cls: Any, module: Any, args: tuple, kwargs: dict) -> Any:

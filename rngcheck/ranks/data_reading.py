@@ -105,11 +105,12 @@ _SPLITS = (
     ("num_replicas", "rank"),  # torch's DistributedSampler and its kind
     ("num_processes", "process_index"),  # accelerate's shards
     ("data_parallel_size", "data_parallel_rank"),  # Megatron-LM's samplers
-    ("world_size", "rank"),  # Hugging Face datasets' DistributedConfig (below)
 )
 # An IterableDataset of Hugging Face's datasets split by split_dataset_by_node keeps the split in
-# its DistributedConfig (rank, world_size) here:
+# its DistributedConfig (rank, world_size) here (read only there: "world_size" and "rank" are
+# too common a pair to read on any sampler or dataset):
 _HF_SPLIT = "_distributed"
+_HF_SPLITS = (("world_size", "rank"),)
 _HF_SPLIT_LABEL = "Hugging Face datasets' split_dataset_by_node"
 
 # The functions above by their code objects (a frame runs one exactly: a subclass overriding
@@ -220,20 +221,19 @@ def _split_of(loader_iter: object) -> str:
     ranks above one; "" when none does (every rank may read the same data, and what is drawn
     for it must agree)."""
     dataset = _attribute(loader_iter, "_dataset")
-    split = _attribute(dataset, _HF_SPLIT)
-    candidates = [dataset, split] if split is not None else [dataset]
+    candidates = [(dataset, _SPLITS), (_attribute(dataset, _HF_SPLIT), _HF_SPLITS)]
     sampler = _attribute(loader_iter, "_index_sampler")
     for _ in range(_SAMPLER_DEPTH):
         if sampler is None:
             break
-        candidates.append(sampler)
+        candidates.append((sampler, _SPLITS))
         inner = _attribute(sampler, "batch_sampler")
         sampler = inner if inner is not None else _attribute(sampler, "sampler")
-    for obj in candidates:
-        for size, index in _SPLITS:
+    for obj, splits in candidates:
+        for size, index in splits:
             n = _attribute(obj, size)
             if type(n) is int and n > 1 and type(_attribute(obj, index)) is int:
-                if obj is split:
+                if splits is _HF_SPLITS:
                     return _HF_SPLIT_LABEL
                 cls = type(obj)
                 top = cls.__module__.partition(".")[0]

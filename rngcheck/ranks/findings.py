@@ -296,9 +296,15 @@ def _call_cause(
     model = call.removeprefix(SAMPLED_WHY)
     what = f"generate() of {model}, sampling (its first random op {ev.op} at {ev.site})"
     if len(extra) <= len(others):
-        cause = f"{_ranks_word(extra)} called {what}, that {_ranks_word(others)} did not call there"
-    else:  # most ranks called it: the few skipped it
-        cause = f"{_ranks_word(others)} skipped a call of {what}, that {_ranks_word(extra)} made"
+        cause = (
+            f"{_ranks_word(extra)} called {what}, where {_ranks_word(others)} did not sample "
+            "(no call there, or one that drew nothing: greedy decoding)"
+        )
+    else:  # most ranks called it: the few did not
+        cause = (
+            f"{_ranks_word(others)} did not sample (no call there, or one that drew nothing: "
+            f"greedy decoding) where {_ranks_word(extra)} called {what}"
+        )
     return (
         cause + f" (control flow that depends on the rank): it moved {ev.generator.label} "
         f"on {_ranks_word(extra)} alone ({model} is no data-parallel wrapper's module), so "
@@ -313,16 +319,16 @@ def _call_cause(
 # through a model nothing wraps)
 _UNWRAPPED = (
     ". No rank knows a data-parallel wrapper (torch's DDP, FSDP, fully_shard, DeepSpeed's "
-    "engine): if this is a model training on each rank's own batch, nothing averages its "
-    "gradients and each rank trains a model of its own. Wrap it (Hugging Face's Trainer leaves "
-    "it unwrapped when evaluate() or predict() ran before train(), with accelerate 1.16: see "
-    "rngcheck's docs on data parallelism)"
+    "engine): if this is a model meant to train data-parallel on each rank's own batch, nothing "
+    "averages its gradients and each rank trains a model of its own (Hugging Face's Trainer "
+    "leaves the model so when evaluate() or predict() ran before train(): see rngcheck's docs "
+    "on data parallelism)"
 )
 
 
 def _in_a_module(event: RandomOpEvent) -> bool:
     """Whether the op ran inside a torch.nn.Module's call (a model's forward)."""
-    return any(f.filename.endswith(_MODULE_FILE) for f in event.stack.frames)
+    return any(f.filename.replace("\\", "/").endswith(_MODULE_FILE) for f in event.stack.frames)
 
 
 _MODULE_FILE = "/torch/nn/modules/module.py"
