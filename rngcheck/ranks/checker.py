@@ -539,8 +539,8 @@ class RankChecker:
                 self._sampled,
                 lambda label: (
                     f"random op(s) in generate() of {label}, which no data-parallel wrapper "
-                    "wraps: each rank samples for its own inputs (its calls are compared, one "
-                    "for one, across the ranks)."
+                    "wraps: each rank samples for its own inputs (its calls are compared across "
+                    "the ranks, one for one, with the state each starts from)."
                 ),
             ),
             *_counted(
