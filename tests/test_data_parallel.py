@@ -172,6 +172,65 @@ def hf_ranks_reach_a_generate_call_apart(rank: int, world: int) -> dict[str, Any
     return _summary(mode)
 
 
+def _hf_tensor_parallel_training(rank: int, seed: int, checked: bool) -> dict[str, Any]:
+    """GPT-NeoX from a tiny config, loaded with Hugging Face's own tensor parallelism
+    (``from_pretrained(tp_plan="auto")`` over every rank), trained two steps with dropout and
+    gradient checkpointing: its embedding and residual dropout run on activations every rank
+    holds whole, so its peers must draw alike."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    _hf_model(checkpointing=False)  # (puts tests/_hf.py, and its offline switch, on the path)
+    import _hf
+    import transformers
+
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if rank == 0:
+        torch.manual_seed(0)
+        config = transformers.GPTNeoXConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.1,
+            attention_dropout=0.1,
+        )  # fmt: skip
+        transformers.GPTNeoXForCausalLM(config).save_pretrained(path[0])
+    dist.barrier()
+    with _mode() if checked else contextlib.nullcontext() as mode:
+        seed_line = sys._getframe().f_lineno + 1
+        torch.manual_seed(seed)
+        model = transformers.GPTNeoXForCausalLM.from_pretrained(path[0], tp_plan="auto")
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        losses = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    whole = [getattr(p, "full_tensor", p.detach)().detach() for p in model.parameters()]
+    digest = _hf.parameters_digest(torch.nn.ParameterList(whole))
+    result = {"losses": losses, "parameters": digest, "seed_line": seed_line}
+    return _summary(mode, **result) if checked else result
+
+
+def hf_tensor_parallel_training_same_seed(rank: int, world: int) -> dict[str, Any]:
+    """The same seed on every rank (correct): quiet, and trained as without the mode, bitwise."""
+    return {
+        "plain": _hf_tensor_parallel_training(rank, 0, checked=False),
+        "checked": _hf_tensor_parallel_training(rank, 0, checked=True),
+    }
+
+
+def hf_tensor_parallel_training_seed_plus_rank(rank: int, world: int) -> dict[str, Any]:
+    """The same, each rank seeded with seed + rank (the data-parallel habit): the peers'
+    dropout masks over the activations they share differ."""
+    return _hf_tensor_parallel_training(rank, 1 + rank, checked=True)
+
+
 def hf_tensor_parallel_peers_sample_apart(rank: int, world: int) -> dict[str, Any]:
     """A model whose output layer is tensor-parallel (DTensor parameters over every rank): its
     peers run one computation and must sample alike, so generate() on it is not Rule 8's. Here
@@ -904,6 +963,8 @@ SCENARIOS = [
     "hf_ranks_reach_a_generate_call_apart",
     "hf_tensor_parallel_peers_sample_apart",
     "hf_ddp_rollouts_on_every_rank",
+    "hf_tensor_parallel_training_same_seed",
+    "hf_tensor_parallel_training_seed_plus_rank",
 ]
 
 
@@ -1543,6 +1604,33 @@ def test_tensor_parallel_peers_sampling_apart_are_found(two: Any) -> None:
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
         assert f["op"] == "aten.multinomial.default", f
         assert "rank 1 drew 1 random op(s) under expect('ignore')" in f["cause"], f["cause"]
+
+
+def test_hugging_face_tensor_parallel_training_is_quiet_and_unchanged(two: Any) -> None:
+    """Hugging Face's own tensor parallelism (tp_plan="auto"), the same seed everywhere:
+    quiet, and the losses and the parameters are those of the run without the mode, bitwise."""
+    results = _results(two, "hf_tensor_parallel_training_same_seed")
+    for rank, r in results.items():
+        checked = r["checked"]
+        assert not checked["findings"], (rank, checked["findings"])
+        assert checked["random_ops"] > 0
+        assert checked["losses"] == r["plain"]["losses"], rank
+        assert checked["parameters"] == r["plain"]["parameters"], rank
+    assert results[0]["plain"]["parameters"] == results[1]["plain"]["parameters"]
+
+
+def test_hugging_face_tensor_parallel_peers_seeded_per_rank_are_found(two: Any) -> None:
+    """seed + rank under tensor parallelism: the peers' first dropout (GPT-NeoX's, over the
+    embeddings every rank holds whole) is found, with each rank's seeding call."""
+    results = _results(two, "hf_tensor_parallel_training_seed_plus_rank")
+    line = results[0]["seed_line"]
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
+        assert f["site"].startswith("modeling_gpt_neox.py:"), f
+        assert f"rank 0 torch.manual_seed(1) at test_data_parallel.py:{line}" in f["cause"], f
+        assert f"rank 1 torch.manual_seed(2) at test_data_parallel.py:{line}" in f["cause"], f
 
 
 def test_hugging_face_predict_sampling_on_every_rank_is_quiet_and_unchanged(
