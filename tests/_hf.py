@@ -35,13 +35,37 @@ def bert_tokenizer() -> Any:
     return transformers.BertTokenizerFast(vocab_file=vocab)
 
 
+def saved_gpt_neox() -> str:
+    """A GPT-NeoX from a tiny config (dropout 0.1 on the embeddings, residuals and attention),
+    saved by rank 0 of the process group: the directory, on every rank. Hugging Face's tensor
+    parallelism loads its plan with ``from_pretrained``."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        config = transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.1,
+            attention_dropout=0.1,
+        )  # fmt: skip
+        transformers.GPTNeoXForCausalLM(config).save_pretrained(path[0])
+    dist.barrier()
+    assert path[0] is not None
+    return path[0]
+
+
 def parameters_digest(model: torch.nn.Module) -> str:
     """A digest of a model's parameters, to compare runs (and ranks) bitwise."""
     import hashlib
 
     digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
+    for p in model.parameters():  # (a DTensor's whole tensor: tensor parallelism, FSDP2)
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        digest.update(whole.detach().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -177,29 +177,15 @@ def _hf_tensor_parallel_training(rank: int, seed: int, checked: bool) -> dict[st
     (``from_pretrained(tp_plan="auto")`` over every rank), trained two steps with dropout and
     gradient checkpointing: its embedding and residual dropout run on activations every rank
     holds whole, so its peers must draw alike."""
-    import tempfile
-
-    import torch.distributed as dist
-
     _hf_model(checkpointing=False)  # (puts tests/_hf.py, and its offline switch, on the path)
     import _hf
     import transformers
 
-    path = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0)
-    if rank == 0:
-        torch.manual_seed(0)
-        config = transformers.GPTNeoXConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.1,
-            attention_dropout=0.1,
-        )  # fmt: skip
-        transformers.GPTNeoXForCausalLM(config).save_pretrained(path[0])
-    dist.barrier()
+    path = _hf.saved_gpt_neox()
     with _mode() if checked else contextlib.nullcontext() as mode:
         seed_line = sys._getframe().f_lineno + 1
         torch.manual_seed(seed)
-        model = transformers.GPTNeoXForCausalLM.from_pretrained(path[0], tp_plan="auto")
+        model = transformers.GPTNeoXForCausalLM.from_pretrained(path, tp_plan="auto")
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -211,9 +197,7 @@ def _hf_tensor_parallel_training(rank: int, seed: int, checked: bool) -> dict[st
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
-    whole = [getattr(p, "full_tensor", p.detach)().detach() for p in model.parameters()]
-    digest = _hf.parameters_digest(torch.nn.ParameterList(whole))
-    result = {"losses": losses, "parameters": digest, "seed_line": seed_line}
+    result = {"losses": losses, "parameters": _hf.parameters_digest(model), "seed_line": seed_line}
     return _summary(mode, **result) if checked else result
 
 

@@ -8,6 +8,7 @@ rank drew it. Every launch has a hard timeout and every checker a short exchange
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -409,6 +410,98 @@ def mesh_dims(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
+class _ParallelBlock(torch.nn.Module):
+    """A residual MLP whose dropout runs on the activations every tensor-parallel peer holds
+    whole (after the row-wise layer's all-reduce), as a transformer's residual dropout does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.dropout(self.down(torch.relu(self.up(x))), 0.1)
+
+
+def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
+    """A 2x2 (dp, tp) mesh: parallelize_module over tp, then fully_shard over dp, each
+    data-parallel group training on its own batches (its own sequence lengths). The dropout
+    of a data-parallel forward may differ across dp, but tensor-parallel peers must draw
+    alike: seeded alike everywhere, or by data-parallel rank, quiet; seed + rank, found."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    results = {}
+    for name, seed in (("same", 0), ("per_dp", 10 + dp), ("per_rank", 20 + rank)):
+        with _mode() as mode:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_ParallelBlock(), _ParallelBlock())
+            plan = {f"{i}.{n}": c() for i in (0, 1) for n, c in ((
+                "up", ColwiseParallel), ("down", RowwiseParallel))}  # fmt: skip
+            parallelize_module(model, mesh["tp"], plan)
+            fully_shard(model, mesh=mesh["dp"])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            seed_line = _line()
+            torch.manual_seed(seed)
+            for step in range(2):
+                g = torch.Generator().manual_seed(10 * dp + step)  # this group's own batch
+                model(torch.randn(2, 3 + dp + step, 8, generator=g)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        notes = [n.message for n in mode.report.notes]
+        results[name] = {**_summary(mode), "notes": notes, "seed_line": seed_line}
+    return results
+
+
+def hf_tensor_and_fully_sharded(rank: int, world: int) -> dict[str, Any]:
+    """Hugging Face's own 2D parallelism: GPT-NeoX from a tiny config loaded with
+    ``DistributedConfig(tp_size=2, fsdp_size=2)`` (tensor parallelism inside FSDP2), trained two
+    steps with dropout and gradient checkpointing, each fsdp group on its own batches: quiet and
+    trained bitwise as without the mode; seed + rank, found."""
+    import os
+
+    sys.path.insert(0, os.path.dirname(_HERE))
+    import _hf
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    path = _hf.saved_gpt_neox()
+
+    def train(seed: int, checked: bool) -> dict[str, Any]:
+        with _mode(timeout=60.0) if checked else contextlib.nullcontext() as mode:
+            torch.manual_seed(seed)
+            model = transformers.GPTNeoXForCausalLM.from_pretrained(
+                path, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)
+            )
+            model.train()
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            g = torch.Generator().manual_seed(rank // 2)  # (ranks 0,1 and 2,3: tp peers)
+            losses = []
+            for step in range(2):
+                ids = torch.randint(1, 64, (2, 8 + 2 * (rank // 2) + step), generator=g)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        out: dict[str, Any] = {"losses": losses, "parameters": _hf.parameters_digest(model)}
+        return {**_summary(mode), **out} if checked else out
+
+    return {
+        "plain": train(0, checked=False),
+        "checked": train(0, checked=True),
+        "per_rank": train(1 + rank, checked=True),
+    }
+
+
 def stage_dims(rank: int, world: int) -> dict[str, Any]:
     """DTensor ops on a 2x2 (pp, dp) mesh whose pipeline stages are seeded apart on purpose."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -548,6 +641,8 @@ _FOUR = [
     "rank_list_group",
     "mesh_dims",
     "stage_dims",
+    "tensor_parallel_inside_fully_shard",
+    "hf_tensor_and_fully_sharded",
 ]
 
 
@@ -959,3 +1054,48 @@ def test_cuda_dtensor_offset_tracker(cuda_two: Any) -> None:  # pragma: no cover
         f = _only(r)
         assert f["kind"] == "rank_divergence" and f["site"] == _site(r["line"])
         assert f"torch.cuda.manual_seed(5) at {_site(seed_line)}" in f["cause"]
+
+
+def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(four: Any) -> None:
+    """Rule 2 with tensor parallelism inside data parallelism: the dropout of fully_shard's
+    forward is each data-parallel group's own (their batches' lengths differ), and compared
+    among the tensor-parallel peers that share a batch."""
+    results = four["tensor_parallel_inside_fully_shard"]
+    for rank, r in results.items():
+        assert "error" not in r, r.get("traceback")
+        for name in ("same", "per_dp"):
+            assert r[name]["ok"] and not r[name]["findings"], (rank, name, r[name]["findings"])
+        peers = "0-1" if rank < 2 else "2-3"
+        note = next(n for n in r["same"]["notes"] if "tensor-parallel peers" in n)
+        assert f"across fully_shard over ranks {'0,2' if rank % 2 == 0 else '1,3'}" in note, note
+        assert "compared instead among the ranks that share this rank's batch" in note, (
+            peers,
+            note,
+        )
+        f = _only(r["per_rank"])
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
+        assert f["op"] == "aten.bernoulli_.float", f
+        assert f["site"].startswith("test_ranks.py:"), f
+        assert "compute on one batch, as tensor-parallel peers" in f["cause"], f["cause"]
+        line = r["per_rank"]["seed_line"]
+        assert f"torch.manual_seed(20) at test_ranks.py:{line}" in f["cause"], f["cause"]
+
+
+def test_hugging_face_tensor_parallelism_inside_fsdp2_is_quiet_and_its_peers_compared(
+    four: Any,
+) -> None:
+    """Hugging Face's DistributedConfig(tp_size=2, fsdp_size=2): quiet and unchanged with the
+    same seed everywhere; seed + rank found at GPT-NeoX's first dropout."""
+    results = four["hf_tensor_and_fully_sharded"]
+    for rank, r in results.items():
+        assert "error" not in r, r.get("traceback")
+        checked = r["checked"]
+        assert checked["ok"] and not checked["findings"], (rank, checked["findings"])
+        assert checked["losses"] == r["plain"]["losses"], rank
+        assert checked["parameters"] == r["plain"]["parameters"], rank
+        f = _only(r["per_rank"])
+        assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
+        assert f["site"].startswith("modeling_gpt_neox.py:"), f
+        assert "compute on one batch, as tensor-parallel peers" in f["cause"], f["cause"]
+    assert results[0]["plain"]["losses"] == results[1]["plain"]["losses"]
+    assert results[0]["plain"]["losses"] != results[2]["plain"]["losses"]

@@ -17,7 +17,7 @@ from rngcheck.core.stacks import Frame, Stack
 from rngcheck.ranks.findings import Detail, build_finding
 from rngcheck.ranks.groups import resolve_group
 from rngcheck.ranks.localise import localise
-from rngcheck.ranks.protocol import Point, Row
+from rngcheck.ranks.protocol import POLICY_CODE, Point, Row
 
 
 def test_resolve_group_forms() -> None:
@@ -62,6 +62,31 @@ def test_localise_names_what_differed_first_in_program_order() -> None:
     assert (flow.kind, flow.index, flow.policy) == ("flow", 1, 1)
     declared = localise({0: [a, b], 1: [a, _row("randint", 2, 3, policy=3)]}, points)
     assert (declared.kind, declared.index, declared.policy) == ("flow", 1, 0)
+
+
+def test_localise_leaves_peers_rows_out_of_the_groups_order() -> None:
+    """A data-parallel forward's rows compared among tensor-parallel peers (Rule 2): the other
+    data-parallel group draws its own shapes there, which is no control-flow divergence; a state
+    that differs within one group of peers is found in its stream, and a flow after them is
+    placed among the rows in order (the spot's index maps back into each rank's window)."""
+    points = dict.fromkeys(range(4), Point.EXIT)
+    a, b = _row("randperm", 1, 2, stream=7), _row("rand", 2, 3, stream=7)
+
+    def peers(op: str, before: int, stream: int) -> Row:
+        return _row(op, before, before + 1, stream=stream, policy=POLICY_CODE["peers"])
+
+    # ranks 0,1 share a batch (stream 30), ranks 2,3 another, with other shapes (another op).
+    low, high = peers("bernoulli[2,3]", 5, 30), peers("bernoulli[2,5]", 5, 31)
+    quiet = {0: [a, low, b], 1: [a, low, b], 2: [a, high, high, b], 3: [a, high, high, b]}
+    assert localise(quiet, points) is None
+    bad = {**quiet, 1: [a, peers("bernoulli[2,3]", 9, 30), b]}  # rank 1's own state there
+    spot = localise(bad, points)
+    assert (spot.kind, spot.index, spot.stream, spot.policy) == ("state", 0, 30, 4)
+    assert spot.index_for(1, bad[1]) == 1
+    extra = {**quiet, 3: [a, high, high, a, b]}  # rank 3 draws once more, after the forward
+    flow = localise(extra, points)
+    assert (flow.kind, flow.index) == ("flow", 1)
+    assert [flow.index_for(r, w) for r, w in extra.items()] == [2, 2, 3, 3]
 
 
 def _event(seq: int, op: str, site: tuple[str, int], *, torch_frame: str = "") -> dict:

@@ -5,8 +5,9 @@ Rows wait in the pending window until an exchange point: every random op (``sync
 optimizer steps, every ``every_ops`` random ops, ``check()`` and exit (``sync="step"``), plus every
 torch.distributed collective the mode sees (an alignment point in both modes). Which rows are
 compared follows the data-parallel rules (Rules 1 to 8, docs/data-parallel.md):
-ops of a data-parallel forward/backward, of per-rank streams, of one rank reading every rank's
-batches and of a rank loading its own share of the data are not compared, parameter
+ops of a data-parallel forward/backward (but among its tensor-parallel peers, who share a batch),
+of per-rank streams, of one rank reading every rank's batches and of a rank loading its own share
+of the data are not compared, parameter
 initialisations are settled at the first step unless a wrapper broadcast them, an order a
 sampler splits among the ranks is compared by state, and a generate() call on a model no
 wrapper wraps is compared as a call, not by what it samples.
@@ -96,6 +97,18 @@ class _Unchecked(NamedTuple):
 
     def public(self) -> Uncompared:
         return Uncompared(self.ops, self.event.op, self.event.site, self.why, self.read_alone)
+
+
+class _Judged(NamedTuple):
+    """What the data-parallel rules say of one random op (``RankChecker._judge``)."""
+
+    why: str  # why it is not compared across the ranks ("" when it is)
+    order: str  # the sampler splitting among the ranks the order it drew (Rule 5), or ""
+    call: str  # the generate() call it is the first op of, compared as that call (Rule 8), or ""
+    peers: tuple[int, ...] = ()  # compared among these ranks alone, outside the group's order
+
+
+_COMPARED = _Judged("", "", "")
 
 
 @dataclass(slots=True)
@@ -193,6 +206,7 @@ class RankChecker:
         # gen_key -> (the generator, how the ranks moved it apart: Rule 2's wake, Rules 6 and 7)
         self._drift_notes: dict[str, tuple[str, str]] = {}
         self._read_alone: dict[str, int] = {}  # why -> random ops this rank drew alone for it
+        self._peer_sets: dict[tuple[int, ...], tuple[int, ...]] = {}  # a wrapper's peers, kept
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
@@ -224,7 +238,7 @@ class RankChecker:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy or not self._checking:
             return
-        why, order, call = self._judge(event, mesh)
+        why, order, call, peers = self._judge(event, mesh)
         if why:
             # Not compared, but it still moves its generator: remembered so that a divergence
             # it causes in a checked op later can be pinned on it.
@@ -240,7 +254,7 @@ class RankChecker:
                     self._uncompared[key] = _Unchecked(1, event, why, read)
             return
         with self._lock:
-            self._add(event, mesh, written, order, call)
+            self._add(event, mesh, written, order, call, peers)
             if call:  # (a generate() call's first op: what it drew is the rank's own, as the rest)
                 self._uncompared[gen_key(event)] = _Unchecked(1, event, call, "")
         if self._cfg.sync == "op":
@@ -366,40 +380,48 @@ class RankChecker:
 
     # -- which rows are compared -----------------------------------------------------------------
 
-    def _judge(self, event: RandomOpEvent, mesh: Any) -> tuple[str, str, str]:
+    def _judge(self, event: RandomOpEvent, mesh: Any) -> _Judged:
         """Why this op is not compared across ranks ("" when it is), the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
         program only), and, for the first op of a generate() call on a model no wrapper wraps,
         why the call's ops are this rank's own (the op is compared as the call; "" for any
-        other). The frames are walked once, in a data-parallel program, one that loaded a
-        dispatcher (Rule 6) or reads its own share of the data (Rule 7, also before the first
-        step), and not for the ops of a wrapper's forward."""
+        other), and, for an op of a data-parallel forward whose wrapper has tensor-parallel
+        peers, those peers (the op is compared among them alone). The frames are walked once,
+        in a data-parallel program, one that loaded a dispatcher (Rule 6) or reads its own
+        share of the data (Rule 7, also before the first step), and not for the ops of a
+        wrapper's forward."""
         if event.expect == "ignore":
-            return "under expect('ignore')", "", ""
+            return _Judged("under expect('ignore')", "", "")
         if mesh is not None:
-            return "", "", ""  # declared: DTensor's contract (its mesh)
+            return _COMPARED  # declared: DTensor's contract (its mesh)
         declared = current_expectation() is not None  # the user's expect block
         src = None if declared else self._dp.modifier()
         if src is not None:  # Rule 6, ZeRO-3: rank src modifies, the region broadcasts from it
             self._gathered[src] = self._gathered.get(src, 0) + 1
-            return f"{GATHERED_WHY}{src}", "", ""
+            return _Judged(f"{GATHERED_WHY}{src}", "", "")
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-                self._dp.count(wrapper)
-                return f"{DATA_PARALLEL_WHY}{wrapper.label}", "", ""
+                peers = self._peers_of(wrapper)
+                self._dp.count(wrapper, peers=bool(peers))
+                if peers:  # ... compared among the ranks that share this rank's batch
+                    return _Judged("", "", "", peers)
+                return _Judged(f"{DATA_PARALLEL_WHY}{wrapper.label}", "", "")
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
-                self._dp.count(wrapper, generated=True)
-                return f"{GENERATE_WHY}{wrapper.label}", "", ""
+                peers = self._peers_of(wrapper)
+                self._dp.count(wrapper, generated=True, peers=bool(peers))
+                if peers:
+                    return _Judged("", "", "", peers)
+                return _Judged(f"{GENERATE_WHY}{wrapper.label}", "", "")
             call = self._dp.sampling()
             if call is not None:  # Rule 8: the call is compared, what it samples is the rank's
                 why = f"{SAMPLED_WHY}{call.label}"
                 if call.drew:
                     self._sampled[call.label] = self._sampled.get(call.label, 0) + 1
-                    return why, "", ""
+                    return _Judged(why, "", "")
                 call.drew = True
-                return "", "", why
+                return _Judged("", "", why)
         # (Rule 7 holds without a known wrapper, which one built before the mode is until its
         # first forward: the frames are walked until the first step, and on once a rank's own
         # share of the data was seen)
@@ -413,26 +435,47 @@ class RankChecker:
         if reading.dispatcher and not declared:  # Rule 6: this rank reads for every rank
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
-            return why, "", ""
+            return _Judged(why, "", "")
         order = reading.order if self._dp.wrappers else ""
         if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
-            return f"{SHARE_WHY}{reading.share}", "", ""
+            return _Judged(f"{SHARE_WHY}{reading.share}", "", "")
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
-            return "on a per-rank stream", "", ""
-        return "", order, ""
+            return _Judged("on a per-rank stream", "", "")
+        return _Judged("", order, "") if order else _COMPARED
+
+    def _peers_of(self, wrapper: Wrapper) -> tuple[int, ...]:
+        """The wrapper's tensor-parallel peers in the mode's group (() when fewer than two)."""
+        if not wrapper.peers:
+            return ()
+        hit = self._peer_sets.get(wrapper.peers)
+        if hit is None:
+            kept = tuple(r for r in wrapper.peers if r in self._domain)
+            hit = self._peer_sets[wrapper.peers] = kept if len(kept) > 1 else ()
+        return hit
 
     def _add(
-        self, event: RandomOpEvent, mesh: Any, written: Any, order: str, call: str = ""
+        self,
+        event: RandomOpEvent,
+        mesh: Any,
+        written: Any,
+        order: str,
+        call: str = "",
+        peers: tuple[int, ...] = (),
     ) -> None:
         """Record a compared op; ``order``: the sampler splitting the order it drew (Rule 5);
         ``call``: the generate() call it is the first op of, compared as that call: the state
         it starts from (what it samples, its arguments and the state after, are the rank's
-        own)."""
+        own); ``peers``: the ranks it is compared among alone (a data-parallel forward's
+        tensor-parallel peers: by state always, outside the group's order)."""
         exp = current_expectation()
-        spec = exp.group if exp is not None else None
-        members = self._groups.members(spec, mesh)
-        policy = event.expect if event.expect in POLICY_CODE else "same"
+        if peers:
+            members: tuple[int, ...] | None = peers
+            policy = "peers"
+        else:
+            spec = exp.group if exp is not None else None
+            members = self._groups.members(spec, mesh)
+            policy = event.expect if event.expect in POLICY_CODE else "same"
         stream = text_hash(policy, ",".join(map(str, members))) if members else 0
         declared = exp is not None or mesh is not None
         code = POLICY_CODE["declared" if declared and policy == "same" else policy]
@@ -459,7 +502,8 @@ class RankChecker:
                 rebased = True
             else:  # reseeded or restored since (by the user): its states are compared again
                 del self._drifted[gen]
-        rebased = rebased and not order
+        # (an order, and a forward's op among its peers, who share a batch: always by state)
+        rebased = rebased and not (order or peers)
         row = Row(
             # (a generate() call's row: the state it starts from is compared, not what it drew)
             structure=text_hash(call, gen) if call else text_hash(event.op, gen, *event.args),
@@ -468,10 +512,15 @@ class RankChecker:
             after=event.after if event.after is not None and not (rebased or call) else 0,
             policy=code,
             # (an order's rows stay when Rules 2 and 3 drop or relax its generator's rows)
-            generator=text_hash(gen, "order") if order else text_hash(gen),
+            generator=text_hash(gen, "order")
+            if order
+            else text_hash(gen, "peers")
+            if peers
+            else text_hash(gen),
         )
         if (
             stream
+            and not peers
             and not self._init_settled
             and mesh is None
             and isinstance(written, torch.nn.Parameter)
@@ -526,6 +575,14 @@ class RankChecker:
                 lambda label: (
                     f"random op(s) in the forward and backward of {label} "
                     "(data-parallel: each rank draws for its own batch)."
+                ),
+            ),
+            *_counted(
+                self._dp.peer_ops,
+                lambda label: (
+                    f"across {label}: random op(s) in its forward and backward (each of its "
+                    "ranks draws for its own batch), compared instead among the ranks that share "
+                    "this rank's batch (its tensor-parallel peers)."
                 ),
             ),
             *_counted(

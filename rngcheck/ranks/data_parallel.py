@@ -11,6 +11,12 @@ broadcast which parameters it will overwrite. ``fully_shard`` broadcasts nothing
 learnt from the first forward. DeepSpeed's engine is learnt when it broadcasts the model (its group
 is made inside its construction), and ``deepspeed.zero.Init`` from each parameter's broadcast.
 
+Where the wrapped module's DTensor parameters span ranks outside the wrapper's group (tensor
+parallelism inside data parallelism: Hugging Face's ``DistributedConfig`` with ``tp_size`` and
+``fsdp_size``, ``parallelize_module`` then ``fully_shard``), the ranks that differ from this one
+only along those dimensions compute on its batch: a :class:`Wrapper` keeps them as its
+``peers``, among whom the rank checker compares the forward's random ops.
+
 Hugging Face's ``generate()`` called on the module a wrapper wraps (``model.module.generate``,
 accelerate's ``unwrap_model``: reinforcement-learning rollouts) samples for this rank's own
 inputs, as the wrapper's forward computes on its own batch: the tracker keeps, per thread, the
@@ -88,6 +94,9 @@ class Wrapper:
     kind: str
     ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
     broadcasts: bool = False  # overwrote the module's states from one rank when it was built
+    # The ranks outside its group that compute on this rank's batch, this rank among them: its
+    # tensor-parallel peers (() when none), along the meshes of the module's DTensor parameters.
+    peers: tuple[int, ...] = ()
     # What it overwrote, as it was built: the states' ids and the storages they held then.
     tensors: frozenset[int] = field(default=frozenset(), repr=False)
     storages: frozenset[int] = field(default=frozenset(), repr=False)
@@ -179,6 +188,7 @@ class DataParallelTracker:
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
+        self.peer_ops: dict[str, int] = {}  # ... compared among the wrapper's peers only
         self.generated: dict[str, int] = {}  # ... of which in generate() of its module
 
     # -- the scope of a random op ----------------------------------------------------------------
@@ -209,8 +219,10 @@ class DataParallelTracker:
         modifiers = self._local.modifiers
         return modifiers[-1] if modifiers else None
 
-    def count(self, wrapper: Wrapper, generated: bool = False) -> None:
-        if generated:
+    def count(self, wrapper: Wrapper, generated: bool = False, peers: bool = False) -> None:
+        if peers:
+            self.peer_ops[wrapper.label] = self.peer_ops.get(wrapper.label, 0) + 1
+        elif generated:
             self.generated[wrapper.label] = self.generated.get(wrapper.label, 0) + 1
         else:
             self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
@@ -460,20 +472,25 @@ class DataParallelTracker:
 
     @staticmethod
     def _ddp_wrapper(ddp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
+        kind = "DistributedDataParallel"
         if bound is None:  # built before the mode: its group is all that matters now
-            return Wrapper(kind="DistributedDataParallel", ranks=_group_ranks(ddp.process_group))
+            ranks = _group_ranks(ddp.process_group)
+            return Wrapper(kind=kind, ranks=ranks, peers=_peers(ddp.module, ranks))
         args = bound.arguments
         mesh = args.get("device_mesh")
         ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(args.get("process_group"))
         broadcasts = bool(args.get("init_sync", True))
         module = args["module"]
         states = _states(module, args.get("broadcast_buffers") is not False) if broadcasts else {}
-        return Wrapper(kind="DistributedDataParallel", ranks=ranks, broadcasts=broadcasts, **states)
+        peers = _peers(module, ranks)
+        return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=peers, **states)
 
     @staticmethod
     def _fsdp1_wrapper(fsdp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
+        kind = "FullyShardedDataParallel"
         if bound is None:
-            return Wrapper(kind="FullyShardedDataParallel", ranks=_group_ranks(fsdp.process_group))
+            ranks = _group_ranks(fsdp.process_group)
+            return Wrapper(kind=kind, ranks=ranks, peers=_peers(fsdp.module, ranks))
         args = bound.arguments
         mesh = args.get("device_mesh")
         group = args.get("process_group")
@@ -483,8 +500,8 @@ class DataParallelTracker:
             ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(group)
         broadcasts = bool(args.get("sync_module_states", False))
         states = _states(args["module"], True) if broadcasts else {}
-        kind = "FullyShardedDataParallel"
-        return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, **states)
+        peers = _peers(args["module"], ranks)
+        return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=peers, **states)
 
     @staticmethod
     def _deepspeed_wrapper(engine: Any, broadcasting: bool) -> Wrapper:
@@ -494,7 +511,9 @@ class DataParallelTracker:
         ranks = _group_ranks(getattr(engine, "seq_data_parallel_group", None))
         broadcasts = broadcasting and getattr(engine, "dist_backend", None) is not None
         states = _states(engine.module, False) if broadcasts else {}
-        return Wrapper(kind="DeepSpeedEngine", ranks=ranks, broadcasts=broadcasts, **states)
+        # (DeepSpeed's own tensor parallelism holds no DTensors: no peers)
+        kind = "DeepSpeedEngine"
+        return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=(), **states)
 
     @staticmethod
     def _fsdp2_wrapper(module: Any) -> Wrapper | None:
@@ -512,8 +531,52 @@ class DataParallelTracker:
             for group in groups:
                 mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
                 if mesh is not None:
-                    return Wrapper(kind="fully_shard", ranks=_mesh_ranks(mesh))
+                    ranks = _mesh_ranks(mesh)
+                    return Wrapper(kind="fully_shard", ranks=ranks, peers=_peers(module, ranks))
         return None
+
+
+def _peers(module: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks that compute on this rank's batch, this one among them, for a wrapper over
+    ``ranks`` (its data-parallel group) of ``module``: along the meshes of the module's DTensor
+    parameters (tensor parallelism inside data parallelism: Hugging Face's ``DistributedConfig``
+    with ``tp_size`` and ``fsdp_size``, ``parallelize_module`` then ``fully_shard`` or DDP), the
+    ranks that differ from this one only along dims that leave the group (a dim whose ranks
+    through this one meet the group here alone), the same set on each of them. () when the
+    module has no such dim: its random ops are compared nowhere (Rule 2). Of several meshes,
+    the one with the most ranks (the same choice on every rank of a program built alike)."""
+    import torch.distributed as dist
+
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None or not dist.is_initialized():
+        return ()
+    me, group = dist.get_rank(), set(ranks)
+    grids: dict[int, torch.Tensor] = {}
+    try:
+        for p in module.parameters():
+            if isinstance(p, dtensor):
+                mesh = p.device_mesh
+                grids.setdefault(id(mesh), mesh.mesh)
+    except Exception:  # noqa: BLE001 - never break the user's wrapper: no peers, as before
+        log.debug("rngcheck: could not read the DTensor parameters' meshes", exc_info=True)
+        return ()
+    best: tuple[int, ...] = ()
+    for grid in sorted(grids.values(), key=lambda g: -g.numel()):
+        where = (grid == me).nonzero()
+        if len(where) == 0:
+            continue
+        coord = where[0].tolist()
+        index: list[Any] = list(coord)
+        for d in range(grid.ndim):
+            line = [*coord[:d], slice(None), *coord[d + 1 :]]
+            through = {int(r) for r in grid[tuple(line)].flatten().tolist()}
+            if len(through) > 1 and through & group == {me}:
+                index[d] = slice(None)
+        peers = tuple(sorted(int(r) for r in grid[tuple(index)].flatten().tolist()))
+        if len(peers) > 1:
+            best = peers
+            break
+    return best
 
 
 def _tensor_parallel(model: Any) -> bool:

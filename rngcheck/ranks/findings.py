@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 from ..core.events import RandomOpEvent, SeedCall
 from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
-from .localise import Spot, extra_ops
-from .protocol import POLICY_CODE, Point, Row, gen_key
+from .localise import Spot, extra_ops, in_order
+from .protocol import PEERS, POLICY_CODE, Point, Row, gen_key
 
 __all__ = [
     "Detail",
@@ -134,7 +134,8 @@ def build_finding(
     spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
 ) -> Finding:
     if spot.kind == "flow":
-        return _flow_finding(spot, windows, details, domain)
+        ordered = {r: [w[i] for i in in_order(w)] for r, w in windows.items()}
+        return _flow_finding(spot, ordered, details, domain)
     if spot.kind == "points":
         return _points_finding(details, domain)
     involved = {
@@ -147,7 +148,21 @@ def build_finding(
     events = {r: d.event for r, d in involved.items()}
     if spot.kind == "collision":
         return _collision_finding(events, details)
-    return _state_finding(events, details)
+    finding = _state_finding(events, details)
+    if spot.policy == PEERS:  # (Rule 2: peers of a data-parallel forward, by their batch)
+        wrappers = sorted({w for r in involved for w in details[r].wrappers})
+        finding = replace(finding, cause=f"{finding.cause}. {_peers_sentence(involved, wrappers)}")
+    return finding
+
+
+def _peers_sentence(ranks: Iterable[int], wrappers: Sequence[str]) -> str:
+    groups = f" ({'; '.join(wrappers)})" if wrappers else ""
+    return (
+        f"Ranks {format_ranks(sorted(ranks))} compute on one batch, as tensor-parallel peers "
+        f"(their parameters are DTensors over them) inside data-parallel groups{groups}: the "
+        "ranks of a data-parallel group may draw apart, but peers must draw alike; a seed "
+        "that depends on the rank may depend on the data-parallel rank only"
+    )
 
 
 def _sides(

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import POLICY_CODE, Point, Row
+from .protocol import PEERS, POLICY_CODE, Point, Row
 
-__all__ = ["Spot", "extra_ops", "localise"]
+__all__ = ["Spot", "extra_ops", "in_order", "localise"]
+
+
+def in_order(window: list[Row]) -> list[int]:
+    """The positions in ``window`` of the rows every rank of the group runs in one order: all but
+    a data-parallel forward's rows compared among tensor-parallel peers only (the other
+    data-parallel ranks may run other ops there)."""
+    return [i for i, r in enumerate(window) if r.policy != PEERS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,14 +22,17 @@ class Spot:
     """Where the gathered windows first disagree, and in what way."""
 
     kind: str  # "flow" (different ops), "state" (same op, states differ), "collision", "points"
-    index: int  # position in the windows (flow, points) or in the stream (state, collision)
+    # position among the rows in the group's order (flow, points: ``in_order``) or in the stream
+    # (state, collision)
+    index: int
     stream: int = 0
     policy: int = 0  # the stream's POLICY_CODE (state, collision; flow: the ops' if they share one)
 
     def index_for(self, rank: int, window: list[Row]) -> int:
         """The position in ``window`` of this rank's op at the spot (past the end: none)."""
         if self.kind in ("flow", "points"):
-            return self.index
+            positions = in_order(window)
+            return positions[self.index] if self.index < len(positions) else len(window)
         positions = [i for i, r in enumerate(window) if r.stream == self.stream]
         return positions[self.index] if self.index < len(positions) else -1
 
@@ -34,11 +44,12 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
     the earlier difference); then different exchange points. None: they agree (two streams only
     shared a hashed value)."""
     length = max(len(w) for w in windows.values())
+    ordered = {r: [w[i] for i in in_order(w)] for r, w in windows.items()}
     flow = next(
         (
             i
-            for i in range(length)
-            if len({w[i].structure if i < len(w) else None for w in windows.values()}) > 1
+            for i in range(max(len(w) for w in ordered.values()))
+            if len({w[i].structure if i < len(w) else None for w in ordered.values()}) > 1
         ),
         None,
     )
@@ -48,7 +59,7 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
             if r.stream:
                 streams.setdefault(r.stream, {}).setdefault(rank, []).append(r)
     first: Spot | None = None
-    first_pos = length if flow is None else flow  # (the windows line up before the ops part)
+    first_pos = length
     for stream, by_rank in streams.items():
         if len(by_rank) < 2:
             continue
@@ -62,19 +73,27 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
                 bad = len({(r.before, r.after) for r in at}) > 1
                 kind = "state"
             if bad:
-                rank0 = min(by_rank)
-                pos = [i for i, r in enumerate(windows[rank0]) if r.stream == stream][j]
-                if pos < first_pos:
+                low = min(by_rank)
+                pos = [i for i, r in enumerate(windows[low]) if r.stream == stream][j]
+                # (the windows line up before the ops part; in the lowest member's window)
+                if pos < min(first_pos, _position(windows[low], flow)):
                     first, first_pos = Spot(kind, j, stream, at[0].policy), pos
                 break
     if first is not None:
         return first
     if flow is not None:
-        policies = {w[flow].policy if flow < len(w) else 0 for w in windows.values()}
+        policies = {w[flow].policy if flow < len(w) else 0 for w in ordered.values()}
         return Spot("flow", flow, policy=policies.pop() if len(policies) == 1 else 0)
     if len(set(points.values())) > 1:
-        return Spot("points", length)
+        return Spot("points", max(len(w) for w in ordered.values()))
     return None
+
+
+def _position(window: list[Row], flow: int | None) -> int:
+    """Where in ``window`` the ops part (``flow``: a position among the rows in order), or its
+    end."""
+    positions = in_order(window)
+    return positions[flow] if flow is not None and flow < len(positions) else len(window)
 
 
 _LOOKAHEAD = 256  # extra ops one side may have run before the sides line up again

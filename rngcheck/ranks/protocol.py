@@ -48,6 +48,7 @@ from ..core.events import RandomOpEvent
 __all__ = [
     "HEADER",
     "INIT_SLOT",
+    "PEERS",
     "PIPELINED",
     "POLICY_CODE",
     "ExchangeStats",
@@ -63,7 +64,12 @@ _MASK62 = (1 << 62) - 1
 
 # "same" by default (the mode's expectation), "differ", and "same" as declared: an expect()
 # block or a DTensor's mesh. Only the default may turn out to be a per-rank stream (Rule 3).
-POLICY_CODE = {"same": 1, "differ": 2, "declared": 3}
+# "peers": an op of a data-parallel forward compared among the ranks outside the wrapper's group
+# that compute on this rank's batch (its tensor-parallel peers, Rule 2): the other data-parallel
+# ranks may run other ops there (their own batches' shapes), so its rows stay out of the
+# group-wide order (the structure, and the control flow a divergence is localised by).
+POLICY_CODE = {"same": 1, "differ": 2, "declared": 3, "peers": 4}
+PEERS = POLICY_CODE["peers"]
 
 # The vector: (x, -x) for the round, the point, the structure, the group-wide stream and the
 # parameter initialisations (Rule 4; 0 until they are settled), then a flag: streams over parts
@@ -147,7 +153,7 @@ def fast_vector(
     init: list[Row] | None,
 ) -> tuple[torch.Tensor, dict[int, list[Row]]]:
     """The group-wide vector of one round, and this rank's streams over parts of the group."""
-    structure = fold(r.structure for r in rows)
+    structure = fold(r.structure for r in rows if r.policy != PEERS)
     whole: list[Row] = []
     parts: dict[int, list[Row]] = {}
     for r in rows:
