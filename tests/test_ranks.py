@@ -414,20 +414,23 @@ class _ParallelBlock(torch.nn.Module):
     """A residual MLP whose dropout runs on the activations every tensor-parallel peer holds
     whole (after the row-wise layer's all-reduce), as a transformer's residual dropout does."""
 
-    def __init__(self) -> None:
+    def __init__(self, p: float = 0.1) -> None:
         super().__init__()
         self.up = torch.nn.Linear(8, 16)
         self.down = torch.nn.Linear(16, 8)
+        self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.dropout(self.down(torch.relu(self.up(x))), 0.1)
+        return x + torch.nn.functional.dropout(self.down(torch.relu(self.up(x))), self.p)
 
 
 def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
     """A 2x2 (dp, tp) mesh: parallelize_module over tp, then fully_shard over dp, each
     data-parallel group training on its own batches (its own sequence lengths). The dropout
     of a data-parallel forward may differ across dp, but tensor-parallel peers must draw
-    alike: seeded alike everywhere, or by data-parallel rank, quiet; seed + rank, found."""
+    alike: seeded alike everywhere, or by data-parallel rank, quiet; seed + rank, found; and
+    rank 1 alone built with no dropout in its second block (p=0 draws nothing), found there
+    among the peers, not waited for."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -439,10 +442,12 @@ def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
     results = {}
-    for name, seed in (("same", 0), ("per_dp", 10 + dp), ("per_rank", 20 + rank)):
+    cases = (("same", 0), ("per_dp", 10 + dp), ("per_rank", 20 + rank), ("skips", 0))
+    for name, seed in cases:
         with _mode() as mode:
             torch.manual_seed(0)
-            model = torch.nn.Sequential(_ParallelBlock(), _ParallelBlock())
+            p = 0.0 if name == "skips" and rank == 1 else 0.1
+            model = torch.nn.Sequential(_ParallelBlock(), _ParallelBlock(p))
             plan = {f"{i}.{n}": c() for i in (0, 1) for n, c in ((
                 "up", ColwiseParallel), ("down", RowwiseParallel))}  # fmt: skip
             parallelize_module(model, mesh["tp"], plan)
@@ -455,6 +460,9 @@ def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
                 model(torch.randn(2, 3 + dp + step, 8, generator=g)).sum().backward()
                 opt.step()
                 opt.zero_grad()
+            # A draw every rank makes outside the forward, from the generator the groups' own
+            # lengths moved apart: compared by what runs from there (Rule 2's wake), quiet.
+            torch.randperm(4)
         notes = [n.message for n in mode.report.notes]
         results[name] = {**_summary(mode), "notes": notes, "seed_line": seed_line}
     return results
@@ -1065,13 +1073,11 @@ def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(
         assert "error" not in r, r.get("traceback")
         for name in ("same", "per_dp"):
             assert r[name]["ok"] and not r[name]["findings"], (rank, name, r[name]["findings"])
-        peers = "0-1" if rank < 2 else "2-3"
         note = next(n for n in r["same"]["notes"] if "tensor-parallel peers" in n)
-        assert f"across fully_shard over ranks {'0,2' if rank % 2 == 0 else '1,3'}" in note, note
-        assert "compared instead among the ranks that share this rank's batch" in note, (
-            peers,
-            note,
-        )
+        assert any("not compared by state: default cpu" in n for n in r["same"]["notes"]), r["same"]
+        label = f"fully_shard over ranks {'0,2' if rank % 2 == 0 else '1,3'}"
+        assert f"random op(s) of the module {label} wraps" in note, note
+        assert "compared only among the ranks that share this rank's batch" in note, note
         f = _only(r["per_rank"])
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
         assert f["op"] == "aten.bernoulli_.float", f
@@ -1079,6 +1085,11 @@ def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(
         assert "compute on one batch, as tensor-parallel peers" in f["cause"], f["cause"]
         line = r["per_rank"]["seed_line"]
         assert f"torch.manual_seed(20) at test_ranks.py:{line}" in f["cause"], f["cause"]
+        f = _only(r["skips"])  # (ranks 2 and 3 agree: the same finding, drawn from the gathered)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "op", f
+        assert f["ranks"] == [0, 1], f
+        assert f["cause"].startswith("rank 0 ran an extra random op, aten.bernoulli_"), f
+        assert "compute on one batch, as tensor-parallel peers" in f["cause"], f["cause"]
 
 
 def test_hugging_face_tensor_parallelism_inside_fsdp2_is_quiet_and_its_peers_compared(

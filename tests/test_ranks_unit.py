@@ -136,6 +136,51 @@ def test_flow_finding_names_the_extra_op_and_the_dataloader() -> None:
     assert "majority (ranks 1-2 of 3)" in text and "outliers (rank 0 of 3)" in text
 
 
+def test_a_peer_that_skipped_a_forwards_op_is_found_among_its_peers() -> None:
+    """Ranks 0 and 1 share a batch (a peers stream); rank 1 ran no dropout there (its mark says
+    it is a member): found as the op rank 0 ran, among the peers only, whatever ranks 2 and 3
+    (the other data-parallel group) ran in their forward."""
+    code = POLICY_CODE["peers"]
+    a = _row("randperm", 1, 2)
+    mine = _row("bernoulli", 5, 6, stream=30, policy=code)
+    theirs = _row("bernoulli[2,5]", 5, 6, stream=31, policy=code)
+
+    def mark(stream: int) -> Row:
+        return Row(0, stream, 0, 0, code, 0)
+
+    windows = {
+        0: [a, mine, a, mark(30)],
+        1: [a, a, mark(30)],
+        2: [a, theirs, theirs, a, mark(31)],
+        3: [a, theirs, theirs, a, mark(31)],
+    }
+    spot = localise(windows, dict.fromkeys(windows, Point.EXIT))
+    assert (spot.kind, spot.index, spot.stream, spot.policy) == ("flow", 0, 30, code)
+    assert [spot.index_for(r, w) for r, w in windows.items()] == [1, 3, 5, 5]
+    details = {
+        0: Detail.from_dict(
+            {
+                "event": _event(4, "aten.bernoulli_.float", ("model.py", 9)),
+                "point": "x",
+                "wrappers": ["fully_shard over ranks 0,2"],
+            }
+        ),
+        1: Detail.from_dict(
+            {"event": None, "point": "x", "wrappers": ["fully_shard over ranks 1,3"]}
+        ),
+        2: _d(None, "x"),
+        3: _d(None, "x"),
+    }
+    f = build_finding(spot, windows, details, (0, 1, 2, 3))
+    assert f.kind is FindingKind.RANK_DIVERGENCE and f.ranks == (0, 1), f
+    assert f.cause.startswith("rank 0 ran an extra random op, aten.bernoulli_.float"), f.cause
+    assert (
+        "Ranks 0-1 compute on one batch, as tensor-parallel peers (their parameters are DTensors "
+        "over them) inside data-parallel groups (fully_shard over ranks 0,2; fully_shard over "
+        "ranks 1,3)"
+    ) in f.cause
+
+
 def test_single_process_has_no_rank_checker() -> None:
     with rngcheck.RNGConsistencyMode() as mode:
         torch.rand(2)

@@ -55,6 +55,7 @@ from .findings import (
 from .groups import GroupResolver, op_mesh
 from .localise import localise
 from .protocol import (
+    PEERS,
     PIPELINED,
     POLICY_CODE,
     ExchangeStats,
@@ -106,6 +107,7 @@ class _Judged(NamedTuple):
     order: str  # the sampler splitting among the ranks the order it drew (Rule 5), or ""
     call: str  # the generate() call it is the first op of, compared as that call (Rule 8), or ""
     peers: tuple[int, ...] = ()  # compared among these ranks alone, outside the group's order
+    across: str = ""  # ... and why not across the group (Rule 2: the wrapper's), with peers
 
 
 _COMPARED = _Judged("", "", "")
@@ -168,6 +170,7 @@ class RankChecker:
         self._groups = GroupResolver(rank, world, domain)
         self._pending: list[RandomOpEvent] = []
         self._rows: list[Row] = []
+        self._in_order = 0  # rows in the group's order in the window (all but peers rows)
         self._round = 0
         self._inflight: _Round | None = None  # posted, not yet waited for
         self._stopped = False
@@ -207,6 +210,7 @@ class RankChecker:
         self._drift_notes: dict[str, tuple[str, str]] = {}
         self._read_alone: dict[str, int] = {}  # why -> random ops this rank drew alone for it
         self._peer_sets: dict[tuple[int, ...], tuple[int, ...]] = {}  # a wrapper's peers, kept
+        self._peer_streams: dict[int, tuple[int, ...]] = {}  # their streams -> members
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
@@ -238,29 +242,36 @@ class RankChecker:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy or not self._checking:
             return
-        why, order, call, peers = self._judge(event, mesh)
+        why, order, call, peers, across = self._judge(event, mesh)
         if why:
-            # Not compared, but it still moves its generator: remembered so that a divergence
-            # it causes in a checked op later can be pinned on it.
-            read = why if why.startswith(DISPATCHED_WHY) or why == self._modifying else ""
             with self._lock:
-                key = gen_key(event)
-                last = self._uncompared.get(key)
-                if last is not None:
-                    self._uncompared[key] = _Unchecked(
-                        last.ops + 1, event, why, read or last.read_alone
-                    )
-                else:
-                    self._uncompared[key] = _Unchecked(1, event, why, read)
+                self._skip(event, why)
             return
         with self._lock:
             self._add(event, mesh, written, order, call, peers)
             if call:  # (a generate() call's first op: what it drew is the rank's own, as the rest)
                 self._uncompared[gen_key(event)] = _Unchecked(1, event, call, "")
+            if peers:
+                # Across the wrapper's group it is Rule 2's, as any op of its forward, and it
+                # posts no round: the group's rounds follow the group's order (P1), and the
+                # other data-parallel ranks may run other ops here.
+                self._skip(event, across)
+                return
         if self._cfg.sync == "op":
             self._exchange(Point.RANDOM_OP, event.op)
-        elif len(self._rows) >= self._cfg.every_ops:
+        elif self._in_order >= self._cfg.every_ops:
             self._exchange(Point.EVERY, "")
+
+    def _skip(self, event: RandomOpEvent, why: str) -> None:
+        """Not compared (across the group), but it still moves its generator: remembered so
+        that a divergence it causes in a checked op later can be pinned on it."""
+        read = why if why.startswith(DISPATCHED_WHY) or why == self._modifying else ""
+        key = gen_key(event)
+        last = self._uncompared.get(key)
+        if last is not None:
+            self._uncompared[key] = _Unchecked(last.ops + 1, event, why, read or last.read_alone)
+        else:
+            self._uncompared[key] = _Unchecked(1, event, why, read)
 
     @staticmethod
     def mesh_of(args: tuple, kwargs: dict) -> Any:
@@ -405,14 +416,14 @@ class RankChecker:
                 peers = self._peers_of(wrapper)
                 self._dp.count(wrapper, peers=bool(peers))
                 if peers:  # ... compared among the ranks that share this rank's batch
-                    return _Judged("", "", "", peers)
+                    return _Judged("", "", "", peers, f"{DATA_PARALLEL_WHY}{wrapper.label}")
                 return _Judged(f"{DATA_PARALLEL_WHY}{wrapper.label}", "", "")
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
                 peers = self._peers_of(wrapper)
                 self._dp.count(wrapper, generated=True, peers=bool(peers))
                 if peers:
-                    return _Judged("", "", "", peers)
+                    return _Judged("", "", "", peers, f"{GENERATE_WHY}{wrapper.label}")
                 return _Judged(f"{GENERATE_WHY}{wrapper.label}", "", "")
             call = self._dp.sampling()
             if call is not None:  # Rule 8: the call is compared, what it samples is the rank's
@@ -452,6 +463,10 @@ class RankChecker:
         if hit is None:
             kept = tuple(r for r in wrapper.peers if r in self._domain)
             hit = self._peer_sets[wrapper.peers] = kept if len(kept) > 1 else ()
+            if hit:  # checked at every round from now on, rows or none (P4)
+                stream = text_hash("peers", ",".join(map(str, hit)))
+                self._peer_streams[stream] = hit
+                self._stream_members[stream] = hit
         return hit
 
     def _add(
@@ -485,9 +500,12 @@ class RankChecker:
         if gen not in self._seen_generators:
             self._seen_generators.add(gen)
             self._first_use.add(len(self._pending))
-        uncompared = self._uncompared.pop(gen, None)
+        # (a peers row leaves what the generator drew uncompared to the group's next row)
+        uncompared = None if peers else self._uncompared.pop(gen, None)
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
+        if not peers:
+            self._in_order += 1
         # Rule 5: an order that a sampler splits among the ranks is compared by state, whatever
         # the other rules say of its generator.
         if order:
@@ -541,6 +559,10 @@ class RankChecker:
 
     def _on_wrapper(self, wrapper: Wrapper) -> None:
         """A data-parallel wrapper is being built (before its own collectives) or first ran."""
+        with self._lock:
+            # Its peers' stream is known from here on every peer, at the same point of the
+            # program, before any of its ops (P4: every peer checks it at every round).
+            self._peers_of(wrapper)
         if not wrapper.broadcasts:
             return
         with self._lock:
@@ -580,9 +602,10 @@ class RankChecker:
             *_counted(
                 self._dp.peer_ops,
                 lambda label: (
-                    f"across {label}: random op(s) in its forward and backward (each of its "
-                    "ranks draws for its own batch), compared instead among the ranks that share "
-                    "this rank's batch (its tensor-parallel peers)."
+                    f"random op(s) of the module {label} wraps (its forward, backward and "
+                    "generate()) across its ranks, each drawing for its own batch; compared "
+                    "only among the ranks that share this rank's batch (its tensor-parallel "
+                    "peers)."
                 ),
             ),
             *_counted(
@@ -702,7 +725,9 @@ class RankChecker:
         self._round += 1
         self.stats.exchanges += 1
         init_rows = [i.row for i in init] if init is not None else None
-        vec, parts = fast_vector(self._round, point, self._rows, self._whole_stream, init_rows)
+        vec, parts = fast_vector(
+            self._round, point, self._rows, self._whole_stream, init_rows, self._peer_streams
+        )
         # level="step": a sampled step's round is judged at once (the next step may be unchecked)
         pipelined = self._cfg.sync == "step" and point in PIPELINED and self._digests is None
         sent = _Round(
@@ -769,6 +794,7 @@ class RankChecker:
 
     def _clear(self) -> None:
         self._rows = []
+        self._in_order = 0
         self._pending = []
         self._first_use = set()
         self._uncompared_before = {}
@@ -788,6 +814,12 @@ class RankChecker:
         data, P5). ``init``: ``rows`` are the parameter initialisations settled this round
         (Rule 4).
         """
+        if not init:  # a mark per peers stream: its members with no rows in it are still seen
+            rows = rows + [
+                Row(0, stream, 0, 0, PEERS, 0)
+                for stream in sent.parts
+                if stream in self._peer_streams
+            ]
         windows, points = self._side.gather_rows(rows, sent.point)
         if init:
             points = dict.fromkeys(points, sent.point)
@@ -807,7 +839,7 @@ class RankChecker:
                 return None
             at = spot.index_for(self.rank, view[self.rank])
             index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
-            event = events[index] if index >= 0 else None
+            event = events[index] if 0 <= index < len(events) else None  # (not a mark)
             unchecked = sent.uncompared.get(index)
             mine = Detail(
                 event=event,

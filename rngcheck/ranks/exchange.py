@@ -111,9 +111,9 @@ class SideGroup:
         bad = False
         for stream in sorted(parts, key=lambda s: (members_of[s], s)):
             members = members_of[stream]
-            rows = parts[stream]
+            rows = parts[stream]  # (none: a peers stream with no rows this round)
             pg = self._subgroup(members)
-            if rows[0].policy == POLICY_CODE["differ"]:
+            if rows and rows[0].policy == POLICY_CODE["differ"]:
                 mine = torch.tensor([fold(v for r in rows for v in (r.structure, r.before))])
                 out = [torch.empty_like(mine) for _ in members]
                 self._count(mine, fast=True)

@@ -133,6 +133,15 @@ def _ranks_word(ranks: Sequence[int]) -> str:
 def build_finding(
     spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
 ) -> Finding:
+    if spot.kind == "flow" and spot.policy == PEERS and spot.stream:
+        # What the peers of a data-parallel forward run: among them, over their stream's rows.
+        members = {r: w for r, w in windows.items() if any(x.stream == spot.stream for x in w)}
+        rows = {
+            r: [x for x in w if x.stream == spot.stream and x.structure] for r, w in members.items()
+        }
+        finding = _flow_finding(spot, rows, details, tuple(sorted(members)))
+        wrappers = sorted({w for r in members for w in details[r].wrappers})
+        return replace(finding, cause=f"{finding.cause}. {_peers_sentence(members, wrappers)}")
     if spot.kind == "flow":
         ordered = {r: [w[i] for i in in_order(w)] for r, w in windows.items()}
         return _flow_finding(spot, ordered, details, domain)

@@ -30,11 +30,11 @@ class Spot:
 
     def index_for(self, rank: int, window: list[Row]) -> int:
         """The position in ``window`` of this rank's op at the spot (past the end: none)."""
-        if self.kind in ("flow", "points"):
+        if self.kind in ("flow", "points") and not (self.policy == PEERS and self.stream):
             positions = in_order(window)
-            return positions[self.index] if self.index < len(positions) else len(window)
-        positions = [i for i, r in enumerate(window) if r.stream == self.stream]
-        return positions[self.index] if self.index < len(positions) else -1
+        else:  # a stream's rows (a peers stream's mark, which is no op, left out)
+            positions = [i for i, r in enumerate(window) if r.stream == self.stream and r.structure]
+        return positions[self.index] if self.index < len(positions) else len(window)
 
 
 def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | None:
@@ -54,14 +54,29 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
         None,
     )
     streams: dict[int, dict[int, list[Row]]] = {}
+    peers: set[int] = set()
     for rank, w in windows.items():
         for r in w:
             if r.stream:
-                streams.setdefault(r.stream, {}).setdefault(rank, []).append(r)
+                rows = streams.setdefault(r.stream, {}).setdefault(rank, [])
+                if r.policy == PEERS:
+                    peers.add(r.stream)
+                if r.structure:  # (a peers stream's mark: a member, with or without rows)
+                    rows.append(r)
     first: Spot | None = None
     first_pos = length
     for stream, by_rank in streams.items():
         if len(by_rank) < 2:
+            continue
+        if stream in peers:  # outside the group's order: what the peers run is compared here
+            spot = _peers_spot(stream, by_rank)
+            if spot is not None:
+                low = min(by_rank)
+                pos = spot.index_for(low, windows[low])  # (its end: the lowest member ran none)
+                if pos < min(first_pos, _position(windows[low], flow)) or (
+                    first is None and flow is None
+                ):
+                    first, first_pos = spot, pos
             continue
         for j in range(min(len(v) for v in by_rank.values())):
             at = [v[j] for v in by_rank.values()]
@@ -86,6 +101,18 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
         return Spot("flow", flow, policy=policies.pop() if len(policies) == 1 else 0)
     if len(set(points.values())) > 1:
         return Spot("points", max(len(w) for w in ordered.values()))
+    return None
+
+
+def _peers_spot(stream: int, by_rank: dict[int, list[Row]]) -> Spot | None:
+    """Where the members of a peers stream first disagree: in what they run (one ran an op the
+    others did not, or another op) or, running the same op, in its states."""
+    for j in range(max(len(v) for v in by_rank.values())):
+        at = [v[j] if j < len(v) else None for v in by_rank.values()]
+        if len({r.structure if r is not None else None for r in at}) > 1:
+            return Spot("flow", j, stream, PEERS)
+        if len({(r.before, r.after) for r in at if r is not None}) > 1:
+            return Spot("state", j, stream, PEERS)
     return None
 
 

@@ -151,11 +151,14 @@ def fast_vector(
     rows: list[Row],
     whole_stream: int,
     init: list[Row] | None,
+    peer_streams: Iterable[int] = (),
 ) -> tuple[torch.Tensor, dict[int, list[Row]]]:
-    """The group-wide vector of one round, and this rank's streams over parts of the group."""
+    """The group-wide vector of one round, and this rank's streams over parts of the group;
+    ``peer_streams``: the peers streams this rank knows, each checked at every round, with its
+    rows or none (peers may differ in having rows: P4 must not wait for a check one skips)."""
     structure = fold(r.structure for r in rows if r.policy != PEERS)
     whole: list[Row] = []
-    parts: dict[int, list[Row]] = {}
+    parts: dict[int, list[Row]] = {stream: [] for stream in peer_streams}
     for r in rows:
         if r.stream == whole_stream:
             whole.append(r)
