@@ -497,11 +497,13 @@ class RankChecker:
         if members:
             self._stream_members[stream] = members
         gen = gen_key(event)
-        if gen not in self._seen_generators:
-            self._seen_generators.add(gen)
+        seen = f"{gen} peers" if peers else gen  # (first uses: among the peers, and the group's)
+        if seen not in self._seen_generators:
+            self._seen_generators.add(seen)
             self._first_use.add(len(self._pending))
-        # (a peers row leaves what the generator drew uncompared to the group's next row)
-        uncompared = None if peers else self._uncompared.pop(gen, None)
+        # (a peers row sees what the generator drew uncompared, and leaves it to the group's
+        # next row)
+        uncompared = self._uncompared.get(gen) if peers else self._uncompared.pop(gen, None)
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
         if not peers:

@@ -141,7 +141,8 @@ def build_finding(
         }
         finding = _flow_finding(spot, rows, details, tuple(sorted(members)))
         wrappers = sorted({w for r in members for w in details[r].wrappers})
-        return replace(finding, cause=f"{finding.cause}. {_peers_sentence(members, wrappers)}")
+        why = _peers_sentence(members, wrappers, seeding=False)
+        return replace(finding, cause=f"{finding.cause}. {why}")
     if spot.kind == "flow":
         ordered = {r: [w[i] for i in in_order(w)] for r, w in windows.items()}
         return _flow_finding(spot, ordered, details, domain)
@@ -164,14 +165,15 @@ def build_finding(
     return finding
 
 
-def _peers_sentence(ranks: Iterable[int], wrappers: Sequence[str]) -> str:
+def _peers_sentence(ranks: Iterable[int], wrappers: Sequence[str], seeding: bool = True) -> str:
     groups = f" ({'; '.join(wrappers)})" if wrappers else ""
-    return (
+    text = (
         f"Ranks {format_ranks(sorted(ranks))} compute on one batch, as tensor-parallel peers "
         f"(their parameters are DTensors over them) inside data-parallel groups{groups}: the "
-        "ranks of a data-parallel group may draw apart, but peers must draw alike; a seed "
-        "that depends on the rank may depend on the data-parallel rank only"
+        "ranks of a data-parallel group may draw apart, but peers must draw alike"
     )
+    return text + ("; a seed that depends on the rank may depend on the data-parallel rank only"
+                   if seeding else "")  # fmt: skip
 
 
 def _sides(

@@ -71,8 +71,12 @@ def localise(windows: dict[int, list[Row]], points: dict[int, Point]) -> Spot | 
         if stream in peers:  # outside the group's order: what the peers run is compared here
             spot = _peers_spot(stream, by_rank)
             if spot is not None:
-                low = min(by_rank)
-                pos = spot.index_for(low, windows[low])  # (its end: the lowest member ran none)
+                # (where the first member that ran an op there ran it)
+                low = next(
+                    (r for r in sorted(by_rank) if spot.index_for(r, windows[r]) < len(windows[r])),
+                    min(by_rank),
+                )
+                pos = spot.index_for(low, windows[low])
                 if pos < min(first_pos, _position(windows[low], flow)) or (
                     first is None and flow is None
                 ):

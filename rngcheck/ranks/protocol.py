@@ -3,11 +3,12 @@ and the ordering rules that keep every rank's collectives on the checker's group
 
 Every random op this rank checks becomes a :class:`Row` of six int64s. Rows wait in the rank's
 pending window until an exchange point (:class:`Point`). There each rank folds its window into a
-fixed vector (:func:`fast_vector`) and the ranks run one all-reduce MAX over the checker's own
-gloo group; every value is sent as ``(x, -x)``, so equal max and min mean every rank agrees. That
-costs 88 bytes whatever the world size. Only on a mismatch do the ranks gather their rows (ints
-only) and then the detail of the one divergent op (JSON text; never pickle), so every rank builds
-the same finding from the same data.
+fixed vector (:func:`fast_vector`) and the ranks run one all-reduce MAX over the checker's own gloo
+group; every value is sent as ``(x, -x)``, so equal max and min mean every rank agrees. That costs
+88 bytes whatever the world size (streams over part of the group add one small all-reduce each, and
+a flag: tensor-parallel peers' streams at every round). Only on a mismatch do the ranks gather their
+rows (ints only) and then the detail of the one divergent op (JSON text; never pickle), so every
+rank builds the same finding from the same data.
 
 The rules the code relies on, cited as "P1" to "P6" where it does:
 
