@@ -421,7 +421,8 @@ class _ParallelBlock(torch.nn.Module):
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.dropout(self.down(torch.relu(self.up(x))), self.p)
+        h = torch.nn.functional.dropout(self.down(torch.relu(self.up(x))), self.p)
+        return x + (h.to_local() if hasattr(h, "to_local") else h)  # (a DTensor: its dropout too)
 
 
 def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
@@ -430,9 +431,12 @@ def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
     of a data-parallel forward may differ across dp, but tensor-parallel peers must draw
     alike: seeded alike everywhere, or by data-parallel rank, quiet; seed + rank, found; and
     rank 1 alone built with no dropout in its second block (p=0 draws nothing), found there
-    among the peers, not waited for."""
+    among the peers, not waited for. And the row-wise layers' output kept a DTensor
+    (``use_local_output=False``), so the dropout is DTensor's, over the tp mesh: quiet too,
+    though each data-parallel group draws its own shapes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -442,14 +446,22 @@ def tensor_parallel_inside_fully_shard(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh.get_local_rank("dp")
     results = {}
-    cases = (("same", 0), ("per_dp", 10 + dp), ("per_rank", 20 + rank), ("skips", 0))
+    cases = (
+        ("same", 0),
+        ("per_dp", 10 + dp),
+        ("per_rank", 20 + rank),
+        ("skips", 0),
+        ("dtensor", 0),
+    )
     for name, seed in cases:
         with _mode() as mode:
             torch.manual_seed(0)
             p = 0.0 if name == "skips" and rank == 1 else 0.1
             model = torch.nn.Sequential(_ParallelBlock(), _ParallelBlock(p))
-            plan = {f"{i}.{n}": c() for i in (0, 1) for n, c in ((
-                "up", ColwiseParallel), ("down", RowwiseParallel))}  # fmt: skip
+            kept = {"output_layouts": Replicate(), "use_local_output": False}
+            down = kept if name == "dtensor" else {}
+            plan = {f"{i}.{n}": c for i in (0, 1) for n, c in ((
+                "up", ColwiseParallel()), ("down", RowwiseParallel(**down)))}  # fmt: skip
             parallelize_module(model, mesh["tp"], plan)
             fully_shard(model, mesh=mesh["dp"])
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1071,7 +1083,7 @@ def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(
     results = four["tensor_parallel_inside_fully_shard"]
     for rank, r in results.items():
         assert "error" not in r, r.get("traceback")
-        for name in ("same", "per_dp"):
+        for name in ("same", "per_dp", "dtensor"):
             assert r[name]["ok"] and not r[name]["findings"], (rank, name, r[name]["findings"])
         note = next(n for n in r["same"]["notes"] if "tensor-parallel peers" in n)
         assert any("not compared by state: default cpu" in n for n in r["same"]["notes"]), r["same"]

@@ -403,8 +403,8 @@ class RankChecker:
         wrapper's forward."""
         if event.expect == "ignore":
             return _Judged("under expect('ignore')", "", "")
-        if mesh is not None:
-            return _COMPARED  # declared: DTensor's contract (its mesh)
+        if mesh is not None:  # declared: DTensor's contract (its mesh) ...
+            return self._dtensor(event, mesh)
         declared = current_expectation() is not None  # the user's expect block
         src = None if declared else self._dp.modifier()
         if src is not None:  # Rule 6, ZeRO-3: rank src modifies, the region broadcasts from it
@@ -454,6 +454,23 @@ class RankChecker:
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return _Judged("on a per-rank stream", "", "")
         return _Judged("", order, "") if order else _COMPARED
+
+    def _dtensor(self, event: RandomOpEvent, mesh: Any) -> _Judged:
+        """A DTensor random op: compared over its mesh, in the group's order; but inside a
+        data-parallel forward whose tensor-parallel peers hold that mesh (dropout on
+        sequence-parallel or replicated DTensor activations), among the peers, outside the
+        group's order: the other data-parallel groups draw for their own batches' shapes."""
+        if not self._dp.wrappers or current_expectation() is not None:
+            return _COMPARED
+        wrapper = self._dp.current(event.phase is not FORWARD)
+        if wrapper is None or self.rank not in wrapper.ranks:
+            return _COMPARED
+        peers = self._peers_of(wrapper)
+        members = self._groups.members(None, mesh)
+        if not peers or members is None or not set(members) <= set(peers):
+            return _COMPARED
+        self._dp.count(wrapper, peers=True)
+        return _Judged("", "", "", peers, f"{DATA_PARALLEL_WHY}{wrapper.label}")
 
     def _peers_of(self, wrapper: Wrapper) -> tuple[int, ...]:
         """The wrapper's tensor-parallel peers in the mode's group (() when fewer than two)."""
