@@ -413,18 +413,10 @@ class RankChecker:
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-                peers = self._peers_of(wrapper)
-                self._dp.count(wrapper, peers=bool(peers))
-                if peers:  # ... compared among the ranks that share this rank's batch
-                    return _Judged("", "", "", peers, f"{DATA_PARALLEL_WHY}{wrapper.label}")
-                return _Judged(f"{DATA_PARALLEL_WHY}{wrapper.label}", "", "")
+                return self._own_batch(wrapper, DATA_PARALLEL_WHY)
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
-                peers = self._peers_of(wrapper)
-                self._dp.count(wrapper, generated=True, peers=bool(peers))
-                if peers:
-                    return _Judged("", "", "", peers, f"{GENERATE_WHY}{wrapper.label}")
-                return _Judged(f"{GENERATE_WHY}{wrapper.label}", "", "")
+                return self._own_batch(wrapper, GENERATE_WHY)
             call = self._dp.sampling()
             if call is not None:  # Rule 8: the call is compared, what it samples is the rank's
                 why = f"{SAMPLED_WHY}{call.label}"
@@ -469,8 +461,17 @@ class RankChecker:
         members = self._groups.members(None, mesh)
         if not peers or members is None or not set(members) <= set(peers):
             return _COMPARED
-        self._dp.count(wrapper, peers=True)
-        return _Judged("", "", "", peers, f"{DATA_PARALLEL_WHY}{wrapper.label}")
+        return self._own_batch(wrapper, DATA_PARALLEL_WHY)
+
+    def _own_batch(self, wrapper: Wrapper, why: str) -> _Judged:
+        """Rule 2: an op of the wrapper's forward/backward (``why``: DATA_PARALLEL_WHY) or of
+        generate() on its module (GENERATE_WHY), this rank's own across the wrapper's group;
+        compared among its tensor-parallel peers, if it has any."""
+        peers = self._peers_of(wrapper)
+        self._dp.count(wrapper, generated=why == GENERATE_WHY, peers=bool(peers))
+        if peers:  # ... compared among the ranks that share this rank's batch
+            return _Judged("", "", "", peers, f"{why}{wrapper.label}")
+        return _Judged(f"{why}{wrapper.label}", "", "")
 
     def _peers_of(self, wrapper: Wrapper) -> tuple[int, ...]:
         """The wrapper's tensor-parallel peers in the mode's group (() when fewer than two)."""

@@ -140,9 +140,7 @@ def build_finding(
             r: [x for x in w if x.stream == spot.stream and x.structure] for r, w in members.items()
         }
         finding = _flow_finding(spot, rows, details, tuple(sorted(members)))
-        wrappers = sorted({w for r in members for w in details[r].wrappers})
-        why = _peers_sentence(members, wrappers, seeding=False)
-        return replace(finding, cause=f"{finding.cause}. {why}")
+        return _among_peers(finding, members, details, seeding=False)
     if spot.kind == "flow":
         ordered = {r: [w[i] for i in in_order(w)] for r, w in windows.items()}
         return _flow_finding(spot, ordered, details, domain)
@@ -160,20 +158,26 @@ def build_finding(
         return _collision_finding(events, details)
     finding = _state_finding(events, details)
     if spot.policy == PEERS:  # (Rule 2: peers of a data-parallel forward, by their batch)
-        wrappers = sorted({w for r in involved for w in details[r].wrappers})
-        finding = replace(finding, cause=f"{finding.cause}. {_peers_sentence(involved, wrappers)}")
+        return _among_peers(finding, involved, details, seeding=True)
     return finding
 
 
-def _peers_sentence(ranks: Iterable[int], wrappers: Sequence[str], seeding: bool = True) -> str:
+def _among_peers(
+    finding: Finding, ranks: Iterable[int], details: dict[int, Detail], seeding: bool
+) -> Finding:
+    """``finding`` with why its ranks, tensor-parallel peers, must agree (and, for states, how
+    to seed them)."""
+    ranks = sorted(ranks)
+    wrappers = sorted({w for r in ranks for w in details[r].wrappers})
     groups = f" ({'; '.join(wrappers)})" if wrappers else ""
-    text = (
-        f"Ranks {format_ranks(sorted(ranks))} compute on one batch, as tensor-parallel peers "
-        f"(their parameters are DTensors over them) inside data-parallel groups{groups}: the "
-        "ranks of a data-parallel group may draw apart, but peers must draw alike"
+    why = (
+        f"Ranks {format_ranks(ranks)} compute on one batch, as tensor-parallel peers (their "
+        f"parameters are DTensors over them) inside data-parallel groups{groups}: the ranks of "
+        "a data-parallel group may draw apart, but peers must draw alike"
     )
-    return text + ("; a seed that depends on the rank may depend on the data-parallel rank only"
-                   if seeding else "")  # fmt: skip
+    if seeding:
+        why += "; a seed that depends on the rank may depend on the data-parallel rank only"
+    return replace(finding, cause=f"{finding.cause}. {why}")
 
 
 def _sides(
