@@ -674,6 +674,50 @@ def replicated_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
     return _replicated_extra_draw(rank, from_step=6)
 
 
+def _line_in_the_default_generators_slot(file: str) -> int:
+    """A line of ``file`` whose first use of a CPU generator puts it in the step digests' slot
+    of the default CPU generator (generators share slots by the hash of their name)."""
+    from rngcheck.core.generators import GeneratorId
+    from rngcheck.ranks.step_digest import slot_of
+
+    default = slot_of(GeneratorId(kind="default", device="cpu"))
+    return next(
+        n
+        for n in range(1, 1000)
+        if slot_of(GeneratorId(kind="user", device="cpu", number=1, origin=f"{file}:{n}"))
+        == default
+    )
+
+
+def ddp_per_rank_data_then_extra_draw_from_step_6(rank: int, world: int) -> dict[str, Any]:
+    """DDP over a model with dropout, each rank's batches from its own generator (seed + rank:
+    a per-rank stream), and from step 6 rank 1 draws one extra number from the default
+    generator every step, so the default generators drift apart. The data generator is first
+    used at a line that puts it in the default generator's slot: a per-rank stream left in the
+    digests hid that drift (the slot never agreed), and the run was silent."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    file = "per_rank_data.py"
+    at = _line_in_the_default_generators_slot(file)
+    first_use = compile("\n" * (at - 1) + "x = torch.randn(4, 8, generator=data)", file, "exec")
+    torch.manual_seed(0)
+    line = 0
+    with _dist_mode(sample_every=1000) as mode:
+        model = DDP(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.Generator().manual_seed(100 + rank)
+        for step in range(1, 37):
+            scope = {"torch": torch, "data": data}
+            exec(first_use, scope)  # (the same line every step)
+            model(scope["x"]).sum().backward()
+            if step >= 6 and rank == 1:
+                line = sys._getframe().f_lineno + 1
+                torch.rand(1)  # one rank draws one extra number, every step from step 6
+            opt.step()
+            opt.zero_grad()
+    return {**_summary(mode), "line": line}
+
+
 def gan_on_two_ranks(rank: int, world: int) -> dict[str, Any]:
     """A GAN's iterations, replicated on each rank: level switches are not held back across
     ranks, so a generator recompute on the other side of a switch is unpaired, never a finding,
@@ -697,6 +741,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "ddp_dropout_variable_lengths",
         "replicated_extra_draw_from_step_6",
         "replicated_extra_draw_in_the_last_round",
+        "ddp_per_rank_data_then_extra_draw_from_step_6",
         "gan_on_two_ranks",
     ]
     return run_scenarios(_HERE, names, world_size=2, out_dir=tmp_path_factory.mktemp("two"))
@@ -711,8 +756,18 @@ def test_per_rank_amounts_under_ddp_stay_quiet_at_the_step_level(two: Any) -> No
 
 
 @pytest.mark.slow
-def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(two: Any) -> None:
-    results = two["replicated_extra_draw_from_step_6"]
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "replicated_extra_draw_from_step_6",
+        # A per-rank stream does not hide a drift that shares its digest slot.
+        "ddp_per_rank_data_then_extra_draw_from_step_6",
+    ],
+)
+def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(
+    two: Any, scenario: str
+) -> None:
+    results = two[scenario]
     line = results[1]["line"]
     for r in results.values():
         assert "error" not in r, r.get("traceback")

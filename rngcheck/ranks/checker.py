@@ -64,6 +64,7 @@ from .protocol import (
     disagreement,
     fast_vector,
     gen_key,
+    ident_key,
     text_hash,
 )
 from .step_digest import StepDigests, StepVerdict, slot_of, slot_values
@@ -361,7 +362,7 @@ class RankChecker:
             self._round += 1  # one numbering for every exchange (the store's arrival notes)
             try:
                 if post:  # (the digests' own tensor work is hidden from the mode)
-                    slots = slot_values(generators)
+                    slots = slot_values(self._agreeing(generators))
                     verdict = digests.exchange(step, slots, escalate, sampled)
                 else:
                     verdict = digests.finish()
@@ -388,6 +389,18 @@ class RankChecker:
         if finding is not None:
             self._handle.emit(finding)
         return verdict
+
+    def _agreeing(self, generators: list[Any]) -> list[Any]:
+        """The generators whose digests the step level compares: not a per-rank stream (Rule 3)
+        nor one the ranks moved apart on purpose (Rule 2's wake, Rules 6 and 7). Their states
+        differ by design; in a slot shared with a generator that must agree, they would hide its
+        drift (the slot agrees at no sampled step, so it is never in the baseline). Every rank
+        learns both at the same exchange, from the gathered details, so every rank leaves the
+        same ones out."""
+        if not (self._per_rank_keys or self._drifted):
+            return generators
+        apart = self._per_rank_keys | self._drifted.keys()
+        return [t for t in generators if ident_key(t.ident) not in apart]
 
     # -- which rows are compared -----------------------------------------------------------------
 

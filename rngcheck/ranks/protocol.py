@@ -58,6 +58,7 @@ __all__ = [
     "fast_vector",
     "fold",
     "gen_key",
+    "ident_key",
     "text_hash",
 ]
 
@@ -142,7 +143,11 @@ def fold(values: Iterable[int]) -> int:
 def gen_key(event: RandomOpEvent) -> str:
     """A generator's name across ranks. Each rank drives its own device (cuda:0 on rank 0,
     cuda:1 on rank 1), so devices compare by type."""
-    ident = event.generator
+    return ident_key(event.generator)
+
+
+def ident_key(ident: Any) -> str:
+    """:func:`gen_key` of a generator named ``ident`` (a GeneratorId)."""
     return f"{ident.kind}#{ident.number}:{ident.device.split(':')[0]}"
 
 

@@ -32,7 +32,12 @@ from .protocol import text_hash
 
 __all__ = ["SLOTS", "StepDigests", "StepVerdict", "slot_of", "slot_values"]
 
-SLOTS = 8  # generators share slots by the hash of their name; a slot agrees when all of it does
+# Generators share slots by the hash of their name; a slot agrees when all of it does. Those
+# whose states differ by design (per-rank streams, generators moved apart on purpose) are left
+# out once the op level knows them (RankChecker._agreeing); one it does not know hides the drift
+# of any other generator in its slot: 32 slots make that 1 chance in 32 per such generator.
+SLOTS = 32
+_BITS = torch.tensor([1 << i for i in range(SLOTS)], dtype=torch.int64)  # slot -> its bit
 _MASK = (1 << 62) - 1  # digests as non-negative int64 that negate safely
 
 
@@ -96,7 +101,7 @@ class _Posted:
 
 class StepDigests:
     """Every step's digests, posted on the checker's side group in rounds of ``per_round`` steps
-    (one all-reduce of ``per_round`` x 17 int64, whatever the world size); a round posted at a
+    (one all-reduce of ``per_round`` x 65 int64, whatever the world size); a round posted at a
     step is settled at the next one, so no rank waits for the others at a step."""
 
     def __init__(self, side: Any, per_round: int = STEPS_PER_ROUND) -> None:
@@ -134,10 +139,9 @@ class StepDigests:
     def _post(self) -> None:
         steps, self._batch = self._batch, []
         with torch._C._DisableTorchDispatch(), torch.no_grad():  # (not the mode's to see)
-            vec = torch.tensor(
-                [[*s.slots, *(-v for v in s.slots), int(s.escalate)] for s in steps],
-                dtype=torch.int64,
-            ).flatten()
+            digests = torch.tensor([s.slots for s in steps], dtype=torch.int64)
+            wishes = torch.tensor([[int(s.escalate)] for s in steps], dtype=torch.int64)
+            vec = torch.cat([digests, -digests, wishes], dim=1).flatten()
             work = self._side.all_reduce_max(vec, fast=True, async_op=True)
         self._inflight = _Posted(steps, vec, work)
         self.rounds += 1
@@ -147,18 +151,17 @@ class StepDigests:
         if posted is None:
             return None
         self._side.wait(posted.work)
-        with torch._C._DisableTorchDispatch():
-            values = posted.vec.tolist()
-        escalate = False
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            rows = posted.vec.view(len(posted.steps), _ROW)
+            # A slot agrees when its largest value is minus its smallest: each step's agreeing
+            # slots as the bits of one int, and its escalation wish.
+            same = rows[:, :SLOTS] == -rows[:, SLOTS : 2 * SLOTS]
+            agreed = (same.to(torch.int64) * _BITS).sum(dim=1).tolist()
+            wishes = rows[:, -1].tolist()
+        escalate = any(wishes)
         drifted: tuple[int, ...] = ()
         drift_step = 0
-        for k, s in enumerate(posted.steps):
-            row = values[k * _ROW : (k + 1) * _ROW]
-            agree = 0
-            for i in range(SLOTS):
-                if row[i] == -row[SLOTS + i]:
-                    agree |= 1 << i
-            escalate = escalate or bool(row[-1])
+        for s, agree in zip(posted.steps, agreed, strict=True):
             if s.sampled:
                 self._baseline = agree
                 continue
