@@ -9,13 +9,14 @@ also the one place that knows the active mode.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -218,6 +219,8 @@ class RNGConsistencyMode:
         self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
         self._late_drift = 0  # a drift the last round showed, after the last step
         self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
+        self._passes: Any = None  # across ranks: each data pass's first batch op by op (passes.py)
+        self._in_pass_window = False
         # A training step ends at a step of the lead optimizer (see _on_step); the others that
         # stepped since its last step, held weakly.
         self._lead: weakref.ReferenceType[Any] | None = None
@@ -305,6 +308,9 @@ class RNGConsistencyMode:
                 self._interceptor.__exit__(None, None, None)
                 self._interceptor = None
             self._graph_hook.uninstall()
+            if self._passes is not None:
+                self._passes.uninstall()
+                self._passes = None
             if self._ranks is not None:
                 self._ranks.close()
             if self.recompute_tracker is not None:
@@ -360,7 +366,47 @@ class RNGConsistencyMode:
         ranks = start(self._handle())
         if ranks is not None:
             self._sink.renders = ranks.renders  # one merged rendering across ranks
+            if self._schedule is not None:
+                from .ranks.passes import PassStarts
+
+                self._passes = PassStarts(self._pass_window)
+                self._passes.install()
         return ranks
+
+    @contextlib.contextmanager
+    def _pass_window(self) -> Iterator[None]:
+        """level="step", between samples: a DataLoader iterator asks its sampler for a pass's
+        first indices (passes.py). Op by op on this thread meanwhile, so the rank checker sees
+        the order the sampler draws; user generators first met here are forgotten after (a
+        sampler may make one per pass, as torch's DistributedSampler does: not read at every
+        step from then on)."""
+        ranks, interceptor = self._ranks, self._interceptor
+        if (
+            self._in_pass_window
+            or ranks is None
+            or interceptor is None
+            or not ranks.wants_passes
+            or threading.get_ident() != self._thread
+            or os.getpid() != self._pid
+        ):
+            yield
+            return
+        resumed = interceptor.suspended  # (else another mode above ours kept it on the stack)
+        if resumed:
+            interceptor.resume()
+        self._in_pass_window = True
+        known = self._generators.user_count
+        try:
+            if resumed:
+                self._after_gap()
+            ranks.pass_window(True)
+            yield
+        finally:
+            ranks.pass_window(False)
+            self._generators.forget_after(known)
+            self._in_pass_window = False
+            if resumed:
+                interceptor.suspend()
 
     def bind_distributed(self) -> None:
         """Start the cross-rank checks now that torch.distributed is initialised.
@@ -587,6 +633,8 @@ class RNGConsistencyMode:
                 [self._late_drift] if self._late_drift else []
             )
             levels["stayed_op_level_steps"] = self._stuck_steps
+            if self._ranks is not None:  # orders drawn as passes over the data began (passes.py)
+                levels["data_passes_compared"] = self._ranks.passes_compared
             # Switches held back while a checkpointed forward waited for its recompute.
             levels["postponed_switches"] = self._postponements
             r.meta["level"] = levels

@@ -434,7 +434,7 @@ class _ShuffledSampler(torch.utils.data.Sampler):
         return iter(torch.randperm(self.n, generator=self.generator).tolist())
 
 
-def _ddp_sharded_epochs(rank: int, world: int, sampler: Any) -> list[list[int]]:
+def _ddp_sharded_epochs(rank: int, world: int, sampler: Any, workers: int = 0) -> list[list[int]]:
     """DDP over a model with dropout, fed through accelerate's BatchSamplerShard (every rank walks
     the sampler's order and keeps its share of each global batch, as Hugging Face's Trainer
     does) with dynamic padding: each rank's dropout draws for its own batch shapes. Returns the
@@ -455,7 +455,13 @@ def _ddp_sharded_epochs(rank: int, world: int, sampler: Any) -> list[list[int]]:
         seqs = [x for _, x in batch]
         return [i for i, _ in batch], torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
 
-    loader = torch.utils.data.DataLoader(data, batch_sampler=shard, collate_fn=pad)
+    loader = torch.utils.data.DataLoader(
+        data,
+        batch_sampler=shard,
+        collate_fn=pad,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
     return _two_epochs(model, loader, sampler.set_epoch)
 
 
@@ -504,6 +510,37 @@ def ddp_sharded_order_from_a_generator_of_its_own(rank: int, world: int) -> dict
     with _mode() as mode:
         seen = _ddp_sharded_epochs(rank, world, _ShuffledSampler(8, torch.Generator(), seed=7))
     return _summary(mode, seen=seen)
+
+
+def _at_the_step_level(sampler: Any, rank: int, world: int, workers: int = 0) -> dict[str, Any]:
+    """The sharded epochs at level="step": the second epoch begins at step 3, between samples
+    (the first two steps are sampled), where the step level does not follow each op."""
+    torch.manual_seed(0)
+    with _mode(level="step", on_finding="record") as mode:
+        seen = _ddp_sharded_epochs(rank, world, sampler, workers)
+    return _summary(mode, line=_ShuffledSampler.LINE, seen=seen, level=mode.report.meta["level"])
+
+
+def ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """The bug at level="step": the second epoch's shuffle is drawn between samples."""
+    return _at_the_step_level(_ShuffledSampler(8), rank, world)
+
+
+def ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """The same, read by a persistent worker process: the loader asks its sampler for the first
+    indices of each pass as it resets, in this process."""
+    return _at_the_step_level(_ShuffledSampler(8), rank, world, workers=1)
+
+
+def ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """Correct, at level="step"."""
+    return _at_the_step_level(_ShuffledSampler(8, torch.Generator(), seed=7), rank, world)
 
 
 class _Stream(torch.utils.data.IterableDataset):
@@ -583,6 +620,68 @@ def ddp_distributed_sampler_seeded_per_rank(rank: int, world: int) -> dict[str, 
         except rngcheck.RNGCheckError:
             pass
     return _summary(mode, seen=seen)
+
+
+def _distributed_sampler_epochs(
+    rank: int, world: int, epochs: int, seed: Any, extra_pass: Any = None
+) -> dict[str, Any]:
+    """DDP at level="step" over 8 samples read one at a time (``batch_size=None``: the loader
+    iterates torch's DistributedSampler as it is made, and its ``__iter__`` draws the order at
+    once) through torch's DistributedSampler, seeded ``seed(epoch)``, shuffling from the second
+    epoch (4 steps an epoch: the second begins at step 5, between samples). ``extra_pass(epoch)``
+    runs before each epoch. Also returns how many generators the mode tracks after the first
+    epoch and at the end (the sampler makes one each pass)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    tracked = []
+    with _mode(level="step", on_finding="record") as mode:
+        model = DDP(torch.nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = list(range(8))
+        seen: list[list[int]] = []
+        for epoch in range(epochs):
+            if extra_pass is not None:
+                extra_pass(epoch)
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                data, num_replicas=world, rank=rank, shuffle=epoch > 0, seed=seed(epoch)
+            )
+            sampler.set_epoch(epoch)
+            seen.append([])
+            for x in torch.utils.data.DataLoader(data, batch_size=None, sampler=sampler):
+                seen[-1].append(int(x))
+                model(torch.ones(4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            tracked.append(len(mode._generators.tracked()))
+    return _summary(mode, seen=seen, level=mode.report.meta["level"], tracked=tracked)
+
+
+def ddp_distributed_sampler_seeded_per_rank_from_the_second_epoch(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """The first epoch in order, then shuffled by torch's DistributedSampler given a seed that
+    depends on the rank: the shuffle is drawn at step 5, between samples."""
+    return _distributed_sampler_epochs(rank, world, 3, lambda epoch: rank)
+
+
+def ddp_one_rank_reads_an_extra_pass_then_seeds_per_rank(rank: int, world: int) -> dict[str, Any]:
+    """In the second epoch rank 0 alone also reads a loader over torch's DistributedSampler, so
+    the ranks' pass counts part for good; from the tenth epoch (step 37) the training sampler
+    is seeded by rank. The round of steps 1-32 finds the counts apart all through its second
+    half, the ranks count again from there, and the tenth epoch's order is found."""
+
+    def extra_pass(epoch: int) -> None:
+        if epoch == 1 and rank == 0:
+            sampler = torch.utils.data.distributed.DistributedSampler(
+                list(range(8)), num_replicas=world, rank=rank, seed=0
+            )
+            for _ in torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=sampler):
+                pass
+
+    return _distributed_sampler_epochs(
+        rank, world, 11, lambda epoch: rank if epoch >= 9 else 0, extra_pass
+    )
 
 
 class _Jittered(torch.utils.data.Dataset):
@@ -926,6 +1025,11 @@ SCENARIOS = [
     "ddp_sharded_order_from_a_generator_moved_apart",
     "ddp_sharded_order_from_a_generator_of_its_own",
     "ddp_distributed_sampler_seeded_per_rank",
+    "ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level",
+    "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level",
+    "ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level",
+    "ddp_distributed_sampler_seeded_per_rank_from_the_second_epoch",
+    "ddp_one_rank_reads_an_extra_pass_then_seeds_per_rank",
     "ddp_streamed_order_from_a_generator_moved_apart",
     "ddp_streamed_order_from_the_datasets_generator",
     "ddp_dispatched_batches_read_on_one_rank",
@@ -1097,6 +1201,71 @@ def test_an_order_split_among_the_ranks_from_a_shared_generator_is_quiet_and_par
     assert _partitions(results, 0) and _partitions(results, 1)
     notes = "\n".join(results[0]["notes"])
     assert "not compared by state: default cpu after the ranks drew different amounts" in notes
+
+
+def test_an_order_drawn_apart_between_samples_is_found_at_the_step_level(two: Any) -> None:
+    """level="step" runs no dispatch mode between samples, and its step digests leave out the
+    default generator the ranks' dropout moves apart; a DataLoader iterator asking its sampler
+    for a pass's first indices is still checked op by op there (a sampler that draws when first
+    asked, a sampler that draws as it is iterated), so the order is found at the pass it was
+    drawn apart in, with the sampler's line, and a generator seeded by rank is said."""
+    moved = _results(two, "ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level")
+    worker = _results(
+        two, "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level"
+    )
+    seeded = _results(two, "ddp_distributed_sampler_seeded_per_rank_from_the_second_epoch")
+    sharded = (
+        "accelerate's BatchSamplerShard splits one order of the dataset among the ranks",
+        "Why default cpu differs: it differs across the ranks as the pass begins",
+        3,
+    )
+    for results, cause, why, step in [
+        (moved, *sharded),
+        (worker, *sharded),
+        (
+            seeded,
+            "torch's DistributedSampler splits one order of the dataset among the ranks",
+            "is seeded differently on each rank (initial seeds from 1 to 2)",  # seed + epoch
+            5,
+        ),
+    ]:
+        for rank, r in results.items():
+            assert r["findings"], (rank, r["notes"])
+            f = r["findings"][0]
+            assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+            assert f["cause"].startswith(cause) and why in f["cause"], f["cause"]
+            assert f"the first batch of a pass begun by step {step}" in f["message"], f
+            assert r["level"]["op_level"] == ["1-2"], r["level"]
+    for r in [*moved.values(), *worker.values()]:
+        assert len(r["findings"]) == 1 and r["level"]["data_passes_compared"] == 1, r
+        assert r["findings"][0]["site"] == f"test_data_parallel.py:{r['line']}"
+        assert "use_seedable_sampler" in r["findings"][0]["cause"]
+    for r in seeded.values():  # the second and third epochs, one finding seen twice
+        assert len(r["findings"]) == 1 and r["level"]["data_passes_compared"] == 2, r
+        # The generator the sampler makes each pass is not kept (not read at every step).
+        assert r["tracked"][0] == r["tracked"][-1], r["tracked"]
+    # what the finding claims: the shares of the pass overlap
+    assert _partitions(moved, 0) and not _partitions(moved, 1)
+    assert _partitions(worker, 0) and not _partitions(worker, 1)
+    assert _partitions(seeded, 0) and not _partitions(seeded, 1)
+    own = _results(two, "ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level")
+    for rank, r in own.items():
+        assert not r["findings"] and r["level"]["data_passes_compared"] == 1, (rank, r)
+    assert _partitions(own, 0) and _partitions(own, 1)
+
+
+def test_ranks_that_began_different_numbers_of_passes_count_again_and_still_find(
+    two: Any,
+) -> None:
+    results = _results(two, "ddp_one_rank_reads_an_extra_pass_then_seeds_per_rank")
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert "the first batch of a pass begun by step 37" in f["message"], f["message"]
+        assert "initial seeds from 9 to 10" in f["cause"], f["cause"]
+        (note,) = [n for n in r["notes"] if "different numbers of passes" in n]
+        assert note.startswith("not compared: 1 round(s) of 32 steps"), note
+    assert _partition((r["seen"][10] for r in results.values()), 8) is False
 
 
 def test_a_stream_every_rank_iterates_drawn_from_a_moved_apart_generator_is_found(
@@ -1481,6 +1650,29 @@ def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround
         -3000:
     ]
     assert _shares_partition(fixed, 0) and _shares_partition(fixed, 1)
+    # At the step level the second epoch's shuffle is drawn at step 3, between samples (no
+    # dispatch mode, and a default generator the step digests leave out): the first batch of a
+    # pass is checked op by op, and the same shuffle is found; the workaround stays quiet.
+    for name, extra in [("step", {}), ("step-fixed", {"SEEDABLE_SAMPLER": "0"})]:
+        reports = tmp_path / f"{name}-reports"
+        run = _trainer_run(
+            tmp_path / name,
+            RNGCHECK_LEVEL="step",
+            RNGCHECK_ON_FINDING="record",
+            RNGCHECK_REPORT=str(reports),
+            **env,
+            **extra,
+        )
+        assert run["results"] == (plain if not extra else fixed)["results"]
+        report = json.loads((reports / "rank0.json").read_text())
+        assert report["meta"]["level"]["data_passes_compared"] == 1, report["meta"]["level"]
+        if extra:
+            assert report["findings"] == [], report["findings"]
+            continue
+        (f,) = report["findings"]
+        assert f["op"] == "aten.randperm.generator" and f["first_step"] == 3, f
+        assert any(fr["name"] == "get_length_grouped_indices" for fr in f["stack"]), f["stack"]
+        assert f["cause"].startswith("accelerate's BatchSamplerShard splits one order"), f["cause"]
 
 
 def _trainer_quiet_and_unchanged(tmp_path: Any, **env: str) -> tuple[dict[str, Any], str]:

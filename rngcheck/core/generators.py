@@ -317,6 +317,19 @@ class GeneratorRegistry:
             return self.default(gen.device)
         return None
 
+    @property
+    def user_count(self) -> int:
+        """User generators named so far (the latest one's number)."""
+        return self._user_count
+
+    def forget_after(self, count: int) -> None:
+        """Forget the user generators named after the first ``count``."""
+        gone = [key for key, t in self._users.items() if t.ident.number > count]
+        for key in gone:
+            del self._users[key]
+        if gone:
+            self.version += 1
+
     def tracked(self) -> list[_Tracked]:
         return [*self._defaults.values(), *self._users.values()]
 

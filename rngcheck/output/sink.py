@@ -63,8 +63,9 @@ class FindingSink:
         or raise as configured."""
         if self.ignore and self._ignored(finding):
             return
-        # A rank finding's seq may be another rank's op: it is found at this rank's step now.
-        step = self.step(-1 if finding.ranks else finding.seq)
+        # A rank finding's seq may be another rank's op: it is found at this rank's step now,
+        # unless it says its step (one compared rounds after it happened: a pass's order).
+        step = finding.first_step or self.step(-1 if finding.ranks else finding.seq)
         key = finding.key
         with self._lock:
             self.occurrences += 1

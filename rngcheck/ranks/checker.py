@@ -49,6 +49,7 @@ from .findings import (
     data_parallel_drift,
     init_finding,
     missing_finding,
+    pass_order_finding,
     per_rank_seeding,
     point_text,
 )
@@ -67,13 +68,24 @@ from .protocol import (
     ident_key,
     text_hash,
 )
-from .step_digest import StepDigests, StepVerdict, slot_of, slot_values
+from .step_digest import (
+    NO_PASS,
+    STEPS_PER_ROUND,
+    OrderSplit,
+    StepDigests,
+    StepVerdict,
+    generator_name,
+    seed_value,
+    slot_of,
+    slot_values,
+)
 
 __all__ = ["RankChecker"]
 
 log = logging.getLogger(__name__)
 
 _MAX_INIT = 100_000  # parameter initialisations kept for the settle point
+_PASSES_KEPT = 64  # passes over the data whose first order draw is kept, for a finding
 
 
 @dataclass(slots=True)
@@ -231,6 +243,13 @@ class RankChecker:
         # every step exchanges its generators' digests (step_level).
         self._digests: StepDigests | None = None
         self._rebase: frozenset[int] = frozenset()
+        # level="step", between samples: the orders drawn at the start of each pass over the
+        # data that a sampler splits among the ranks (Rule 5; passes.py), for the step rounds.
+        self._in_pass = False  # the mode's window over a pass's first batch is open
+        self._pass_begun = False  # ... and an order was drawn in it
+        self._pass = NO_PASS  # passes so far, the latest one's digest, its first draw's seed
+        # pass -> its first draw, the sampler, the step it was drawn at (on this rank)
+        self._pass_draws: dict[int, tuple[RandomOpEvent | None, str, int]] = {}
         if self._cfg.level == "step":
             self._digests = StepDigests(self._side)
         handle.identify(rank, world)
@@ -241,7 +260,11 @@ class RankChecker:
 
     def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
-        if self._stopped or self._busy or not self._checking:
+        if self._stopped or self._busy:
+            return
+        if not self._checking:
+            if self._in_pass:
+                self._pass_draw(event)
             return
         why, order, call, peers, across = self._judge(event, mesh)
         if why:
@@ -262,6 +285,59 @@ class RankChecker:
             self._exchange(Point.RANDOM_OP, event.op)
         elif self._in_order >= self._cfg.every_ops:
             self._exchange(Point.EVERY, "")
+
+    @property
+    def wants_passes(self) -> bool:
+        """level="step", between samples, in a data-parallel program: the orders drawn as passes
+        over the data begin are worth a window (passes.py)."""
+        return (
+            self._digests is not None
+            and not self._checking
+            and not self._stopped
+            and bool(self._dp.wrappers)
+        )
+
+    def pass_window(self, open_: bool) -> None:
+        """level="step", between samples: the mode's window over the first batch of a pass
+        over the data opens (its random ops now reach :meth:`on_event`) or closes."""
+        self._in_pass = open_
+        self._pass_begun = False
+
+    @property
+    def passes_apart(self) -> int:
+        """Step rounds through whose second half the ranks had begun different numbers of
+        passes over the data."""
+        return self._digests.passes_apart if self._digests is not None else 0
+
+    @property
+    def passes_compared(self) -> int:
+        """Passes over the data begun between samples whose orders were compared across ranks."""
+        return self._digests.passes_compared if self._digests is not None else 0
+
+    def _pass_draw(self, event: RandomOpEvent) -> None:
+        """A random op of a pass's first batch, between samples: an order that a sampler splits
+        among the ranks (Rule 5) joins the digest of this pass, which the step round compares
+        (every rank must draw it alike, whatever the generator); anything else is not looked at."""
+        if event.expect == "ignore" or not self._dp.wrappers or current_expectation() is not None:
+            return
+        order = data_reading().order
+        if not order:
+            return
+        with self._lock:
+            passes, digest, seed = self._pass
+            if not self._pass_begun:
+                self._pass_begun = True
+                passes, digest, seed = passes + 1, 0, seed_value(event.seed)
+                self._pass_draws[passes] = (event, order, self._steps + 1)
+                if len(self._pass_draws) > _PASSES_KEPT:
+                    del self._pass_draws[min(self._pass_draws)]
+            name = generator_name(event.generator)  # (a user generator's number may differ)
+            digest = text_hash(str(digest), str(name), event.op, str(event.before))
+            self._pass = (passes, digest, seed)
+
+    def _order_finding(self, split: OrderSplit) -> Finding:
+        event, order, step = self._pass_draws.get(split.number, (None, "", split.step))
+        return pass_order_finding(event, order, step, split.seeds, self.rank, self._domain)
 
     def _skip(self, event: RandomOpEvent, why: str) -> None:
         """Not compared (across the group), but it still moves its generator: remembered so
@@ -357,15 +433,18 @@ class RankChecker:
             return None
         finding = None
         verdict = None
+        orders: list[Finding] = []
         with self._lock:
             self._busy = True
             self._round += 1  # one numbering for every exchange (the store's arrival notes)
             try:
                 if post:  # (the digests' own tensor work is hidden from the mode)
                     slots = slot_values(self._agreeing(generators))
-                    verdict = digests.exchange(step, slots, escalate, sampled)
+                    verdict = digests.exchange(step, slots, escalate, sampled, self._pass)
                 else:
                     verdict = digests.finish()
+                if verdict is not None:
+                    orders = [self._order_finding(split) for split in verdict.orders]
             except PeerLost as e:
                 self._stopped = True
                 digests.drop()
@@ -386,8 +465,9 @@ class RankChecker:
                 finding = self._missing(sent, Point.OPTIMIZER_STEP, sent.where, e.__cause__ or e)
             finally:
                 self._busy = False  # (the counters reach the report when it is read: publish)
-        if finding is not None:
-            self._handle.emit(finding)
+        for found in [*orders, finding]:
+            if found is not None:
+                self._handle.emit(found)
         return verdict
 
     def _agreeing(self, generators: list[Any]) -> list[Any]:
@@ -624,7 +704,18 @@ class RankChecker:
         """What the data-parallel rules left uncompared, for the report (``rngcheck show``)."""
         rank = self.rank
         replaced = {"": self._replaced_inits} if self._replaced_inits else {}
+        apart = {"": self.passes_apart} if self.passes_apart else {}
         out = [
+            *_counted(
+                apart,
+                lambda _: (
+                    f"round(s) of {STEPS_PER_ROUND} steps through whose second half the ranks had "
+                    "begun different numbers of passes over the data (a DataLoader over a sampler "
+                    "that splits its order among the ranks, iterated on some ranks only): the "
+                    "orders of the passes begun then are not compared, those after each such "
+                    "round again."
+                ),
+            ),
             *_counted(
                 self._dp.ops,
                 lambda label: (

@@ -13,6 +13,7 @@ from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
 from .localise import Spot, extra_ops, in_order
 from .protocol import PEERS, POLICY_CODE, Point, Row, gen_key
+from .step_digest import seeds_said
 
 __all__ = [
     "Detail",
@@ -27,6 +28,7 @@ __all__ = [
     "data_parallel_drift",
     "init_finding",
     "missing_finding",
+    "pass_order_finding",
     "per_rank_seeding",
     "point_text",
 ]
@@ -538,6 +540,55 @@ _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampl
     "accelerate's IterableDatasetShard": _STREAM,
     "transformers' IterableDatasetShard": _STREAM,
 }
+
+
+def pass_order_finding(
+    event: RandomOpEvent | None,
+    order: str,
+    step: int,
+    seeds: tuple[int, int],
+    rank: int,
+    ranks: tuple[int, ...],
+) -> Finding:
+    """level="step": the ranks drew the order of a pass over the data begun between samples,
+    which ``order`` splits among them, apart (passes.py): digests of its draws differ across the
+    ranks. ``event``: this rank's first draw of that order (None when no longer kept);
+    ``step``: the step the pass began at on this rank (or, without ``event``, the step that
+    compared it); ``seeds``: the smallest and the largest initial seed of the first draw's
+    generator across the ranks (``step_digest.seed_value``)."""
+    gen = event.generator.label if event is not None else "its generator"
+    what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=gen)
+    seeded = seeds_said(*seeds)
+    if seeded:
+        why = f"it is seeded differently on each rank ({seeded})"
+    else:
+        why = (
+            "it differs across the ranks as the pass begins; the step level does not follow "
+            "the random ops that moved it apart (a data-parallel forward's dropout over each "
+            "rank's own batch shapes is the usual cause; the op level, RNGCHECK_LEVEL=op, names "
+            "them)"
+        )
+    advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    where = f" with {event.op} at {event.site}" if event is not None else ""
+    return Finding(
+        kind=FindingKind.RANK_DIVERGENCE,
+        message=(
+            f"the ranks drew the order of a pass over the data{where} from {gen} in different "
+            f"states (the first batch of a pass begun by step {step}, checked op by op at the "
+            "step level)"
+        ),
+        op=event.op if event is not None else "",
+        cause=f"{what} Why {gen} differs: {why}. {advice}",
+        differs="state",
+        ranks=ranks,
+        stack=event.stack if event is not None else Stack.empty(),
+        sides=(Side(label="its first draw", ranks=(rank,), event=event),)
+        if event is not None
+        else (),
+        seq=event.seq if event is not None else -1,
+        first_step=step,
+        last_step=step,
+    )
 
 
 _DRAW_ALIKE = (

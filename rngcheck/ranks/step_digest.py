@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -30,7 +30,19 @@ import torch
 
 from .protocol import text_hash
 
-__all__ = ["SLOTS", "StepDigests", "StepVerdict", "slot_of", "slot_values"]
+__all__ = [
+    "NO_PASS",
+    "SLOTS",
+    "STEPS_PER_ROUND",
+    "OrderSplit",
+    "StepDigests",
+    "StepVerdict",
+    "generator_name",
+    "seed_value",
+    "seeds_said",
+    "slot_of",
+    "slot_values",
+]
 
 # Generators share slots by the hash of their name; a slot agrees when all of it does. Those
 # whose states differ by design (per-rank streams, generators moved apart on purpose) are left
@@ -42,7 +54,7 @@ _MASK = (1 << 62) - 1  # digests as non-negative int64 that negate safely
 
 
 @lru_cache(maxsize=1024)
-def _salt(ident: Any) -> int:
+def generator_name(ident: Any) -> int:
     """A generator's name as every rank gives it, hashed: a default by its device type
     (``cuda``, not this rank's ``cuda:3``), a user generator by device type and the line that
     first used it."""
@@ -52,7 +64,7 @@ def _salt(ident: Any) -> int:
 
 def slot_of(ident: Any) -> int:
     """The slot of the generator named ``ident`` (a GeneratorId)."""
-    return _salt(ident) % SLOTS
+    return generator_name(ident) % SLOTS
 
 
 def slot_values(generators: Iterable[Any]) -> list[int]:
@@ -65,23 +77,62 @@ def slot_values(generators: Iterable[Any]) -> list[int]:
         if state is None:
             continue
         digest = zlib.crc32(state) | zlib.adler32(state) << 32 if type(state) is bytes else state
-        salt = _salt(t.ident)
+        salt = generator_name(t.ident)
         slots[salt % SLOTS] ^= (digest ^ salt) & _MASK
     return slots
 
 
 @dataclass(frozen=True, slots=True)
+class OrderSplit:
+    """The ranks drew the order of a pass over the data (a sampler splits it among them) apart:
+    ``number``, the pass, by this rank's count (passes.py); ``step``, the
+    step whose row compared it (once every rank had begun it); ``seeds``, the smallest and the
+    largest initial seed across the ranks of the generator of its first draw, as
+    :func:`seed_value` gives them."""
+
+    step: int
+    number: int
+    seeds: tuple[int, int]
+
+
+_SEED_SHOWN = 1 << 32  # a seed below this is sent as it is, any other as a hash of it
+
+
+def seed_value(seed: int | None) -> int:
+    """A generator's initial seed in a step row: itself when small (said in a finding), else a
+    62-bit hash of it (compared only)."""
+    if seed is None:
+        return 0
+    return seed if 0 <= seed < _SEED_SHOWN else text_hash(str(seed)) | _SEED_SHOWN
+
+
+def seeds_said(low: int, high: int) -> str:
+    """The seeds of an :class:`OrderSplit` in words, when they differ ("" when they agree)."""
+    if low == high:
+        return ""
+    if high < _SEED_SHOWN:
+        return f"initial seeds from {low} to {high}"
+    return "initial seeds that differ"
+
+
+@dataclass(frozen=True, slots=True)
 class StepVerdict:
     """What one settled round says: whether every rank escalates, and the slots that drifted
-    (``step``: the first step whose digests drifted, else the round's last step)."""
+    (``step``: the first step whose digests drifted, else the round's last step), and the
+    passes over the data whose orders the ranks drew apart (``passes.py``)."""
 
     step: int
     escalate: bool
     drifted: tuple[int, ...] = ()
+    orders: tuple[OrderSplit, ...] = ()
 
 
 STEPS_PER_ROUND = 32  # the digests of this many steps travel in one all-reduce
-_ROW = 2 * SLOTS + 1  # a step's part of a round: [d, -d] per slot, then its escalation wish
+# Then, for the orders drawn at the start of each pass over the data (passes.py): the passes so
+# far, a digest of the latest one's draws and the initial seed of its first draw's generator.
+_COLUMNS = SLOTS + 3
+_ROW = 2 * _COLUMNS + 1  # a step's part of a round: [v, -v] per column, then its escalation wish
+NO_PASS = (0, 0, 0)
 
 
 @dataclass(slots=True)
@@ -90,6 +141,8 @@ class _Step:
     sampled: bool  # checked op by op: its agreement is the new baseline
     slots: list[int]
     escalate: bool
+    passes: tuple[int, int, int]  # passes since ``base``, the latest one's digest, its seed
+    base: int  # this rank's passes before those counted here
 
 
 @dataclass(slots=True)
@@ -101,7 +154,7 @@ class _Posted:
 
 class StepDigests:
     """Every step's digests, posted on the checker's side group in rounds of ``per_round`` steps
-    (one all-reduce of ``per_round`` x 65 int64, whatever the world size); a round posted at a
+    (one all-reduce of ``per_round`` x 71 int64, whatever the world size); a round posted at a
     step is settled at the next one, so no rank waits for the others at a step."""
 
     def __init__(self, side: Any, per_round: int = STEPS_PER_ROUND) -> None:
@@ -110,17 +163,31 @@ class StepDigests:
         self._batch: list[_Step] = []
         self._inflight: _Posted | None = None
         self._baseline = 0  # bit i: slot i agreed at the last step checked op by op
+        # Passes over the data: each rank counts them from ``_pass_base`` (its own count at the
+        # last row of the latest round whose second half found the ranks at different counts:
+        # counted again from there, alike), and the latest one compared.
+        self._pass_base = 0
+        self._judged = 0
+        self.passes_compared = 0
+        self.passes_apart = 0  # rounds whose second half found the ranks at different counts
         self.rounds = 0
         self.drifts = 0
 
     def exchange(
-        self, step: int, slots: list[int], escalate: bool, sampled: bool
+        self,
+        step: int,
+        slots: list[int],
+        escalate: bool,
+        sampled: bool,
+        passes: tuple[int, int, int] = NO_PASS,
     ) -> StepVerdict | None:
         """Settle the round in flight (its verdict, or None), then add this step's digests and
         post them once the round is full. Raises PeerLost (from the side group) when a rank does
         not arrive in time."""
         verdict = self.settle()
-        self._batch.append(_Step(step, sampled, slots, escalate))
+        count, digest, seed = passes
+        relative = (count - self._pass_base, digest, seed)
+        self._batch.append(_Step(step, sampled, slots, escalate, relative, self._pass_base))
         if len(self._batch) >= self._per_round:
             self._post()
         return verdict
@@ -128,18 +195,20 @@ class StepDigests:
     def finish(self) -> StepVerdict | None:
         """The mode ends: settle the round in flight, then post and settle the steps not yet
         sent (every rank has the same ones)."""
-        verdict = self.settle()
-        if self._batch:
-            self._post()
-            last = self.settle()
-            if verdict is None or not verdict.drifted:
-                verdict = last
-        return verdict
+        first = self.settle()
+        if not self._batch:
+            return first
+        self._post()
+        last = self.settle()
+        if first is None or last is None:
+            return first or last
+        kept = first if first.drifted else last
+        return replace(kept, orders=first.orders + last.orders)
 
     def _post(self) -> None:
         steps, self._batch = self._batch, []
         with torch._C._DisableTorchDispatch(), torch.no_grad():  # (not the mode's to see)
-            digests = torch.tensor([s.slots for s in steps], dtype=torch.int64)
+            digests = torch.tensor([[*s.slots, *s.passes] for s in steps], dtype=torch.int64)
             wishes = torch.tensor([[int(s.escalate)] for s in steps], dtype=torch.int64)
             vec = torch.cat([digests, -digests, wishes], dim=1).flatten()
             work = self._side.all_reduce_max(vec, fast=True, async_op=True)
@@ -153,15 +222,27 @@ class StepDigests:
         self._side.wait(posted.work)
         with torch._C._DisableTorchDispatch(), torch.no_grad():
             rows = posted.vec.view(len(posted.steps), _ROW)
-            # A slot agrees when its largest value is minus its smallest: each step's agreeing
-            # slots as the bits of one int, and its escalation wish.
-            same = rows[:, :SLOTS] == -rows[:, SLOTS : 2 * SLOTS]
+            # A column agrees when its largest value is minus its smallest: each step's agreeing
+            # slots as the bits of one int, its passes' largest and smallest values, and its
+            # escalation wish.
+            same = rows[:, :SLOTS] == -rows[:, _COLUMNS : _COLUMNS + SLOTS]
             agreed = (same.to(torch.int64) * _BITS).sum(dim=1).tolist()
+            largest = rows[:, SLOTS:_COLUMNS].tolist()
+            smallest = (-rows[:, _COLUMNS + SLOTS : 2 * _COLUMNS]).tolist()
             wishes = rows[:, -1].tolist()
         escalate = any(wishes)
         drifted: tuple[int, ...] = ()
         drift_step = 0
-        for s, agree in zip(posted.steps, agreed, strict=True):
+        orders: list[OrderSplit] = []
+        for k, (s, agree) in enumerate(zip(posted.steps, agreed, strict=True)):
+            (passes, digest, seed), low = largest[k], smallest[k]
+            # A pass is compared once every rank has begun it (its latest pass then, on each):
+            # ranks may begin a pass a step apart.
+            if passes > self._judged and passes == low[0]:
+                self._judged = passes
+                self.passes_compared += 1
+                if digest != low[1]:  # (the pass by this rank's own count)
+                    orders.append(OrderSplit(s.step, s.base + passes, (low[2], seed)))
             if s.sampled:
                 self._baseline = agree
                 continue
@@ -173,7 +254,18 @@ class StepDigests:
                     self.drifts += 1
                 drifted = tuple(sorted({*drifted, *(i for i in range(SLOTS) if lost >> i & 1)}))
                 escalate = True
-        return StepVerdict(drift_step or posted.steps[-1].step, escalate, drifted)
+        last = posted.steps[-1]
+        half = len(largest) // 2
+        if all(
+            high[0] != low[0] for high, low in zip(largest[half:], smallest[half:], strict=True)
+        ):
+            # The ranks' pass counts differed all through the round's second half: they began
+            # different numbers of passes (a loader iterated on some ranks only), not the same
+            # pass a step apart. From here each counts again from its count at the last row.
+            self._pass_base = last.base + last.passes[0]
+            self._judged = 0
+            self.passes_apart += 1
+        return StepVerdict(drift_step or last.step, escalate, drifted, tuple(orders))
 
     def drop(self) -> None:
         """Forget the round in flight (the checker stops; the others learn it from the store)."""
