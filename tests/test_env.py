@@ -367,6 +367,28 @@ def test_ranks_started_by_other_launchers_are_checked(tmp_path: Path, launcher: 
     _assert_two_ranks_checked(r, tmp_path)
 
 
+def _lightning(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """tests/scripts/train_lightning.py writing into ``out``: rank 0 as the user starts it."""
+    out.mkdir()
+    # Its own session: a timeout kills rank 1 too (rank 0's child, not ours).
+    proc = subprocess.Popen(
+        [PYTHON, str(SCRIPTS / "train_lightning.py"), str(out)],
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=out.parent,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.slow
 def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_path: Path):
     # Lightning's DDP starts rank 1 as a child of rank 0 (the process the user started), with
@@ -374,29 +396,11 @@ def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_p
     # takes its rank's report file once the process group names it.
     from rngcheck.cli import main as cli_main
 
-    script = str(SCRIPTS / "train_lightning.py")
     runs = {}
     for on in ("0", "1"):
         out = tmp_path / f"out{on}"
-        out.mkdir()
         reports = tmp_path / f"reports{on}"
-        # Its own session: a timeout kills rank 1 too (rank 0's child, not ours).
-        proc = subprocess.Popen(
-            [PYTHON, script, str(out)],
-            env=_env(RNGCHECK=on, RNGCHECK_REPORT=str(reports)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports))
         if on == "1":
             _assert_two_ranks_checked(r, reports)
         else:
@@ -404,6 +408,32 @@ def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_p
         runs[on] = sorted(p.read_text() for p in out.iterdir())
     assert runs["1"] == runs["0"]  # bitwise: the checker changed nothing
     assert cli_main(["show", str(tmp_path / "reports1")]) == 0
+
+
+@pytest.mark.slow
+def test_lightning_seeded_per_rank_shuffles_apart_and_the_finding_says_where_the_seed_came_from(
+    tmp_path: Path,
+) -> None:
+    # seed_everything(rank), for per-rank augmentation: Lightning gives its DistributedSampler
+    # that seed (PL_GLOBAL_SEED), so each rank takes its share of a different shuffle.
+    reports = tmp_path / "reports"
+    r = _lightning(
+        tmp_path / "out",
+        RNGCHECK="1",
+        RNGCHECK_ON_FINDING="record",
+        RNGCHECK_REPORT=str(reports),
+        SEED_PER_RANK="1",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (f,) = Report.load(reports / "rank0.json").findings
+    assert f.op == "aten.randperm.generator", f
+    assert f.cause.startswith("torch's DistributedSampler splits one order"), f.cause
+    assert "it is seeded differently on each rank (initial seed 0 on rank 0, 1 on rank 1)" in (
+        f.cause
+    )
+    assert "PyTorch Lightning makes the sampler with the seed seed_everything was given" in (
+        f.cause
+    )
 
 
 @pytest.mark.slow

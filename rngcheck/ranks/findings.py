@@ -502,9 +502,11 @@ def _split_order(e: _StateEvidence) -> str:
     drifted = next((d.drifted for _, d in sorted(e.details.items()) if d.drifted), "")
     ref = e.ref.event
     seed_alike = ""
+    seeded = None  # a rank's draw, when the ranks seeded the generator differently
     if drifted:
         why = f"{drifted}, and it differs across ranks from there"
     elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
+        seeded = ref
         if order not in _ORDER_ADVICE:
             seed_alike = ", or seed that generator alike on every rank"
         why = (
@@ -514,8 +516,28 @@ def _split_order(e: _StateEvidence) -> str:
     else:
         why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
     what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=e.gen)
-    advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    advice = _order_advice(order, seeded)
     return f"{what} Why {e.gen} differs: {why}. {advice}{seed_alike}"
+
+
+def _order_advice(order: str, seeded: RandomOpEvent | None) -> str:
+    """How to draw the order ``order`` splits alike on every rank; ``seeded``: a rank's draw of
+    it, when the ranks seeded its generator differently (under PyTorch Lightning, which makes
+    the sampler with seed_everything's seed, that is where the seed came from)."""
+    advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    if seeded is not None and any(
+        _LIGHTNING_DIR in f.filename.replace("\\", "/") for f in seeded.stack.frames
+    ):
+        advice += f"; {_LIGHTNING_SEED}"
+    return advice
+
+
+_LIGHTNING_DIR = "/lightning/"  # (lightning.pytorch and lightning.fabric)
+_LIGHTNING_SEED = (
+    "PyTorch Lightning makes the sampler with the seed seed_everything was given (its "
+    "PL_GLOBAL_SEED): give seed_everything the same seed on every rank, and draw what must "
+    "differ per rank (augmentation, noise) from a generator of its own seeded with the rank"
+)
 
 
 _SPLITS_ORDER = (
@@ -568,7 +590,7 @@ def pass_order_finding(
             "rank's own batch shapes is the usual cause; the op level, RNGCHECK_LEVEL=op, names "
             "them)"
         )
-    advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    advice = _order_advice(order, event if seeded else None)
     where = f" with {event.op} at {event.site}" if event is not None else ""
     return Finding(
         kind=FindingKind.RANK_DIVERGENCE,

@@ -5,6 +5,8 @@ as a child process running the same command (with LOCAL_RANK=1 and no RANK). Lig
 DDP as ``DistributedDataParallel(module=...)``.
 
 Each rank writes ``OUT/result<rank>.json``: a digest of its trained parameters.
+``SEED_PER_RANK=1`` seeds each rank with its rank (``seed_everything``), which Lightning also
+gives its DistributedSampler: the bug.
 """
 
 import json
@@ -36,7 +38,9 @@ class Model(lightning.LightningModule):
 
 def main() -> None:
     out = sys.argv[1]
-    lightning.seed_everything(0)
+    # SEED_PER_RANK=1: the bug, each rank seeded with its rank (for per-rank augmentation)
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if os.environ.get("SEED_PER_RANK") else 0
+    lightning.seed_everything(rank)
     ids = torch.randint(0, _hf.VOCAB, (16, 12), generator=torch.Generator().manual_seed(123))
     data = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(ids), batch_size=4, shuffle=True
