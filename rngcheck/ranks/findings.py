@@ -526,13 +526,14 @@ def _order_advice(order: str, seeded: RandomOpEvent | None) -> str:
     the sampler with seed_everything's seed, that is where the seed came from)."""
     advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
     if seeded is not None and any(
-        _LIGHTNING_DIR in f.filename.replace("\\", "/") for f in seeded.stack.frames
+        d in f.filename.replace("\\", "/") for f in seeded.stack.frames for d in _LIGHTNING_DIRS
     ):
         advice += f"; {_LIGHTNING_SEED}"
     return advice
 
 
-_LIGHTNING_DIR = "/lightning/"  # (lightning.pytorch and lightning.fabric)
+# lightning (lightning.pytorch, lightning.fabric), and the standalone packages
+_LIGHTNING_DIRS = ("/lightning/", "/pytorch_lightning/", "/lightning_fabric/")
 _LIGHTNING_SEED = (
     "PyTorch Lightning makes the sampler with the seed seed_everything was given (its "
     "PL_GLOBAL_SEED): give seed_everything the same seed on every rank, and draw what must "
