@@ -622,6 +622,61 @@ def ddp_distributed_sampler_seeded_per_rank(rank: int, world: int) -> dict[str, 
     return _summary(mode, seen=seen)
 
 
+def _split_then_train(rank: int, world: int, seed: int, own: bool, level: str = "op") -> Any:
+    """A script that splits its data into training and validation sets with torch's
+    ``random_split`` (``own``: given a generator seeded alike on every rank, else drawing from
+    the default generator seeded with ``seed``), then trains DDP with dropout over the
+    training set, read through torch's DistributedSampler, for two epochs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import rngcheck
+
+    torch.manual_seed(seed)
+    seen: list[int] = []
+    val: list[int] = []
+    with _mode(on_finding="raise", level=level) as mode:
+        try:
+            generator = torch.Generator().manual_seed(42) if own else None
+            train, held_out = torch.utils.data.random_split(
+                list(range(10)), [0.8, 0.2], generator=generator
+            )
+            val = list(held_out)
+            model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            sampler = torch.utils.data.distributed.DistributedSampler(train, world, rank)
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                for x in torch.utils.data.DataLoader(train, batch_size=2, sampler=sampler):
+                    seen.extend(x.tolist())
+                    model(torch.ones(2, 4)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+        except rngcheck.RNGCheckError:
+            pass
+    return _summary(mode, seen=seen, val=val)
+
+
+def ddp_data_split_on_a_seed_plus_rank_generator(rank: int, world: int) -> dict[str, Any]:
+    """The bug: seed + rank, then random_split from the default generator."""
+    return _split_then_train(rank, world, 1234 + rank, own=False)
+
+
+def ddp_data_split_on_a_seed_plus_rank_generator_at_the_step_level(
+    rank: int, world: int
+) -> dict[str, Any]:
+    return _split_then_train(rank, world, 1234 + rank, own=False, level="step")
+
+
+def ddp_data_split_with_a_generator_of_its_own(rank: int, world: int) -> dict[str, Any]:
+    """seed + rank, and random_split given a generator seeded alike: correct."""
+    return _split_then_train(rank, world, 1234 + rank, own=True)
+
+
+def ddp_data_split_on_a_default_generator_seeded_alike(rank: int, world: int) -> dict[str, Any]:
+    """random_split from the default generator, every rank seeded alike: correct."""
+    return _split_then_train(rank, world, 1234, own=False)
+
+
 def _distributed_sampler_epochs(
     rank: int, world: int, epochs: int, seed: Any, extra_pass: Any = None
 ) -> dict[str, Any]:
@@ -1025,6 +1080,10 @@ SCENARIOS = [
     "ddp_sharded_order_from_a_generator_moved_apart",
     "ddp_sharded_order_from_a_generator_of_its_own",
     "ddp_distributed_sampler_seeded_per_rank",
+    "ddp_data_split_on_a_seed_plus_rank_generator",
+    "ddp_data_split_on_a_seed_plus_rank_generator_at_the_step_level",
+    "ddp_data_split_with_a_generator_of_its_own",
+    "ddp_data_split_on_a_default_generator_seeded_alike",
     "ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level",
     "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level",
     "ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level",
@@ -1089,6 +1148,8 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "ddp_streamed_order_from_the_datasets_generator",
         "ddp_collator_masks_each_ranks_own_batch",
         "fully_shard_same_seed_dropout",
+        "ddp_data_split_with_a_generator_of_its_own",
+        "ddp_data_split_on_a_default_generator_seeded_alike",
     ],
 )
 def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
@@ -1307,6 +1368,52 @@ def test_a_distributed_sampler_seeded_per_rank_is_found_not_taken_for_a_per_rank
 
     shares = [list(tud.DistributedSampler(list(range(8)), 2, r, seed=r)) for r in (0, 1)]
     assert sorted(shares[0] + shares[1]) != list(range(8))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ddp_data_split_on_a_seed_plus_rank_generator",
+        "ddp_data_split_on_a_seed_plus_rank_generator_at_the_step_level",
+    ],
+)
+def test_a_data_split_drawn_from_a_per_rank_stream_is_found_at_the_split(
+    two: Any, name: str
+) -> None:
+    """random_split's permutation is every rank's to draw alike, even from a generator seeded
+    per rank (before any wrapper is built): found at the split, not left to Rule 3."""
+    results = _results(two, name)
+    for rank, r in results.items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
+        assert f["lines"][-1].startswith("train, held_out = torch.utils.data.random_split("), f
+        assert f["cause"].startswith("torch's random_split divides a dataset into parts"), f
+        assert (
+            "it is seeded differently on each rank (initial seed 1234 on rank 0, 1235 on"
+            in (f["cause"])
+        )
+        assert "Give random_split a generator seeded alike on every rank" in f["cause"]
+        assert not r["seen"]  # (stopped at the split, before training)
+    # what the finding claims: without it, one rank's held-out samples are another's to train on
+    splits = [
+        torch.utils.data.random_split(
+            list(range(10)), [0.8, 0.2], generator=torch.Generator().manual_seed(1234 + r)
+        )
+        for r in (0, 1)
+    ]
+    assert set(splits[0][1]) & set(splits[1][0])
+
+
+def test_a_data_split_drawn_alike_keeps_every_ranks_held_out_samples_apart(two: Any) -> None:
+    for name in (
+        "ddp_data_split_with_a_generator_of_its_own",
+        "ddp_data_split_on_a_default_generator_seeded_alike",
+    ):
+        results = _results(two, name)
+        assert results[0]["val"] == results[1]["val"], name
+        seen = results[0]["seen"] + results[1]["seen"]
+        assert not set(seen) & set(results[0]["val"]) and len(set(seen)) == 8, name
 
 
 def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rngcheck.core.findings import Finding
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
 from rngcheck.output.report import Report
 from rngcheck.output.trace import first_divergence, read_trace
@@ -396,11 +397,13 @@ def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_p
     # takes its rank's report file once the process group names it.
     from rngcheck.cli import main as cli_main
 
+    # Its data: a LightningDataModule splitting a dataset in setup() with random_split from the
+    # default generator, seeded alike on every rank (correct), and a validation loop.
     runs = {}
     for on in ("0", "1"):
         out = tmp_path / f"out{on}"
         reports = tmp_path / f"reports{on}"
-        r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports))
+        r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports), SPLIT="default")
         if on == "1":
             _assert_two_ranks_checked(r, reports)
         else:
@@ -410,12 +413,9 @@ def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_p
     assert cli_main(["show", str(tmp_path / "reports1")]) == 0
 
 
-@pytest.mark.slow
-def test_lightning_seeded_per_rank_shuffles_apart_and_the_finding_says_where_the_seed_came_from(
-    tmp_path: Path,
-) -> None:
-    # seed_everything(rank), for per-rank augmentation: Lightning gives its DistributedSampler
-    # that seed (PL_GLOBAL_SEED), so each rank takes its share of a different shuffle.
+def _lightning_seeded_per_rank(tmp_path: Path, **env: str) -> dict[int, list[Finding]]:
+    """tests/scripts/train_lightning.py with seed_everything(rank), checked with its findings
+    recorded: each rank's findings."""
     reports = tmp_path / "reports"
     r = _lightning(
         tmp_path / "out",
@@ -423,9 +423,19 @@ def test_lightning_seeded_per_rank_shuffles_apart_and_the_finding_says_where_the
         RNGCHECK_ON_FINDING="record",
         RNGCHECK_REPORT=str(reports),
         SEED_PER_RANK="1",
+        **env,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    (f,) = Report.load(reports / "rank0.json").findings
+    return {rank: Report.load(reports / f"rank{rank}.json").findings for rank in (0, 1)}
+
+
+@pytest.mark.slow
+def test_lightning_seeded_per_rank_shuffles_apart_and_the_finding_says_where_the_seed_came_from(
+    tmp_path: Path,
+) -> None:
+    # seed_everything(rank), for per-rank augmentation: Lightning gives its DistributedSampler
+    # that seed (PL_GLOBAL_SEED), so each rank takes its share of a different shuffle.
+    (f,) = _lightning_seeded_per_rank(tmp_path)[0]
     assert f.op == "aten.randperm.generator", f
     assert f.cause.startswith("torch's DistributedSampler splits one order"), f.cause
     assert "it is seeded differently on each rank (initial seed 0 on rank 0, 1 on rank 1)" in (
@@ -434,6 +444,18 @@ def test_lightning_seeded_per_rank_shuffles_apart_and_the_finding_says_where_the
     assert "PyTorch Lightning makes the sampler with the seed seed_everything was given" in (
         f.cause
     )
+
+
+@pytest.mark.slow
+def test_lightning_seeded_per_rank_splits_its_data_apart_in_setup(tmp_path: Path) -> None:
+    # The same seed_everything(rank), with a LightningDataModule whose setup() splits the data
+    # with random_split and no generator: each rank validates on samples another trains on.
+    for (f,) in _lightning_seeded_per_rank(tmp_path, SPLIT="default").values():
+        assert f.op == "aten.randperm.generator", f
+        assert f.site.startswith("train_lightning.py:"), f.site
+        assert "random_split(" in f.stack.user_frames[-1].line, f.stack.user_frames[-1]
+        assert f.cause.startswith("torch's random_split divides a dataset into parts"), f.cause
+        assert "initial seed 0 on rank 0, 1 on rank 1" in f.cause, f.cause
 
 
 @pytest.mark.slow

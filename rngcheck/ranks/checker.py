@@ -34,7 +34,7 @@ from ..core.policy import current_expectation
 from ..core.stacks import Stack
 from .board import Board
 from .data_parallel import DataParallelTracker, Wrapper
-from .data_reading import DISPATCHER_MODULES, NOT_READING, data_reading
+from .data_reading import DISPATCHER_MODULES, NOT_READING, SPLITS_A_DATASET, data_reading
 from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
@@ -532,7 +532,8 @@ class RankChecker:
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
             return _Judged(why, "", "")
-        order = reading.order if self._dp.wrappers else ""
+        # (an order counts in a data-parallel program; a dataset's split before any wrapper too)
+        order = reading.order if self._dp.wrappers or reading.order == SPLITS_A_DATASET else ""
         if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
             return _Judged(f"{SHARE_WHY}{reading.share}", "", "")

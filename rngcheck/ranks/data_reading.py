@@ -19,6 +19,12 @@ mix of sources) must be drawn alike too. (Draws there that only augment a sample
 harmless if they differed, but they are compared as well: accelerate synchronises the dataset's
 own ``generator`` each pass, the place for them.)
 
+torch's ``random_split`` (a dataset into training and validation sets) is a replicated decision
+too: ranks that draw its permutation apart each hold out different samples, so one rank trains on
+what another validates on, and a sampler then splits a different training set on each rank. It
+is one whether or not a wrapper is built yet (a script splits its data before it wraps its
+model); before any is, a draw on a generator seeded per rank is a finding as in any program.
+
 Known by the function that iterates the inner order (its code object): a sampler of the
 user's that shards by rank after shuffling with its own per-rank stream is not one, and is left
 to the other rules; nor is a subclass of torch's ``DistributedSampler`` that overrides
@@ -60,11 +66,13 @@ __all__ = [
     "DISPATCHER_MODULES",
     "NOT_READING",
     "SHARDING_SAMPLERS",
+    "SPLITS_A_DATASET",
     "Reading",
     "data_reading",
 ]
 
 _ACCELERATE = "accelerate.data_loader"
+SPLITS_A_DATASET = "torch's random_split"
 _LIGHTNING = "Lightning's DistributedSamplerWrapper"
 # (a module, a function's qualified name in it) -> the sampler that splits the order it iterates
 SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
@@ -82,6 +90,9 @@ SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
     ("lightning_fabric.utilities.distributed", "_DatasetSamplerWrapper.reset"): _LIGHTNING,
     ("lightning_fabric.utilities.distributed", "_DatasetSamplerWrapper.__getitem__"): _LIGHTNING,
     ("torch.utils.data.distributed", "DistributedSampler.__iter__"): "torch's DistributedSampler",
+    # (a function, not a sampler: the permutation that splits a dataset into train and
+    # validation sets, which every rank must draw alike; known before any wrapper is)
+    ("torch.utils.data.dataset", "random_split"): SPLITS_A_DATASET,
 }
 # (a module, a function's qualified name in it) -> the dispatcher that reads there, on one rank,
 # the batches of every rank
@@ -139,9 +150,12 @@ def _known() -> dict[int, tuple[str, str]]:
             if where != module:
                 continue
             owner, _, name = qualname.rpartition(".")
-            cls = getattr(mod, owner, None)
-            # the class's own function (not one it inherits), as a frame of it runs
-            code = getattr(vars(cls).get(name) if isinstance(cls, type) else None, "__code__", None)
+            if owner:  # the class's own function (not one it inherits), as a frame of it runs
+                cls = getattr(mod, owner, None)
+                func = vars(cls).get(name) if isinstance(cls, type) else None
+            else:  # a module's function
+                func = vars(mod).get(name)
+            code = getattr(func, "__code__", None)
             if isinstance(code, CodeType):
                 _HELD.append(code)
                 _CODES[id(code)] = entry

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from ..core.events import RandomOpEvent, SeedCall
 from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
+from .data_reading import SPLITS_A_DATASET
 from .localise import Spot, extra_ops, in_order
 from .protocol import PEERS, POLICY_CODE, Point, Row, gen_key
 from .step_digest import seeds_said
@@ -559,9 +560,17 @@ _STREAM_ADVICE = (
     "its own; or read the stream on one rank and broadcast the batches (accelerate's "
     "dispatch_batches=True, with batches of one size)"
 )
+_SPLIT_DATASET = (
+    "{order} divides a dataset into parts (training and validation sets) by a permutation, and "
+    "the ranks drew it from {gen} in different states: each rank holds out different samples, "
+    "so samples one rank validates on are trained on by another (validation no longer measures "
+    "unseen data), and a sampler that splits the training set among the ranks splits a "
+    "different set on each."
+)
 _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
     "accelerate's IterableDatasetShard": _STREAM,
     "transformers' IterableDatasetShard": _STREAM,
+    SPLITS_A_DATASET: _SPLIT_DATASET,
 }
 
 
@@ -631,6 +640,11 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     ),
     "accelerate's IterableDatasetShard": _STREAM_ADVICE,
     "transformers' IterableDatasetShard": _STREAM_ADVICE,
+    SPLITS_A_DATASET: (
+        "Give random_split a generator seeded alike on every rank "
+        "(generator=torch.Generator().manual_seed(seed)), or split the data before seeding "
+        "per rank"
+    ),
 }
 
 

@@ -6,7 +6,10 @@ DDP as ``DistributedDataParallel(module=...)``.
 
 Each rank writes ``OUT/result<rank>.json``: a digest of its trained parameters.
 ``SEED_PER_RANK=1`` seeds each rank with its rank (``seed_everything``), which Lightning also
-gives its DistributedSampler: the bug.
+gives its DistributedSampler: the bug. ``SPLIT=1`` reads the data through a LightningDataModule
+whose ``setup()`` splits it into training and validation sets with ``random_split``, as
+Lightning's documentation does (with a generator of its own); ``SPLIT=default`` without one, from
+the default generator (correct only when every rank is seeded alike).
 """
 
 import json
@@ -32,8 +35,31 @@ class Model(lightning.LightningModule):
         (ids,) = batch
         return self.model(input_ids=ids, labels=ids).loss
 
+    def validation_step(self, batch: list[torch.Tensor], index: int) -> None:
+        (ids,) = batch
+        self.log("val_loss", self.model(input_ids=ids, labels=ids).loss, sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Split(lightning.LightningDataModule):
+    """20 sequences, split in setup() (on every rank) into 16 to train on and 4 to validate on."""
+
+    def setup(self, stage: str) -> None:
+        ids = torch.randint(0, _hf.VOCAB, (20, 12), generator=torch.Generator().manual_seed(123))
+        own = os.environ["SPLIT"] != "default"
+        self.train, self.val = torch.utils.data.random_split(
+            torch.utils.data.TensorDataset(ids),
+            [16, 4],
+            generator=torch.Generator().manual_seed(42) if own else None,
+        )
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.train, batch_size=4, shuffle=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.val, batch_size=2)
 
 
 def main() -> None:
@@ -41,10 +67,6 @@ def main() -> None:
     # SEED_PER_RANK=1: the bug, each rank seeded with its rank (for per-rank augmentation)
     rank = int(os.environ.get("LOCAL_RANK", "0")) if os.environ.get("SEED_PER_RANK") else 0
     lightning.seed_everything(rank)
-    ids = torch.randint(0, _hf.VOCAB, (16, 12), generator=torch.Generator().manual_seed(123))
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(ids), batch_size=4, shuffle=True
-    )
     model = Model()
     trainer = lightning.Trainer(
         accelerator="cpu",
@@ -56,7 +78,12 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, data)
+    if os.environ.get("SPLIT"):
+        trainer.fit(model, datamodule=Split())
+    else:
+        ids = torch.randint(0, _hf.VOCAB, (16, 12), generator=torch.Generator().manual_seed(123))
+        data = torch.utils.data.TensorDataset(ids)
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
     with open(os.path.join(out, f"result{trainer.global_rank}.json"), "w") as f:
         json.dump({"parameters": _hf.parameters_digest(model)}, f)
     print("training finished", flush=True)
