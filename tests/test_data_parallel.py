@@ -677,6 +677,51 @@ def ddp_data_split_on_a_default_generator_seeded_alike(rank: int, world: int) ->
     return _split_then_train(rank, world, 1234, own=False)
 
 
+def _rank0_splits_alone(rank: int, seed: int) -> dict[str, Any]:
+    """DDP with noise drawn outside the model, and rank 0 alone splitting off a few samples for
+    its logs from the default generator, seeded with ``seed``, after the second step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(seed)
+    with _mode() as mode:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if rank == 0 and step == 1:
+                torch.utils.data.random_split(list(range(10)), [2, 8])
+    return _summary(mode)
+
+
+def ddp_rank0_splits_alone_from_a_per_rank_stream(rank: int, world: int) -> dict[str, Any]:
+    """seed + rank (the noise makes the default generator a known per-rank stream, Rule 3): the
+    split is rank 0's own draw."""
+    return _rank0_splits_alone(rank, 1234 + rank)
+
+
+def ddp_rank0_splits_alone_from_a_generator_seeded_alike(rank: int, world: int) -> dict[str, Any]:
+    """Every rank seeded alike: rank 0's split shifts its default generator, and every later
+    draw from it differs across the ranks (the noise of the next step)."""
+    return _rank0_splits_alone(rank, 1234)
+
+
+def ddp_data_split_after_dropout_moved_the_generator_apart(rank: int, world: int) -> dict[str, Any]:
+    """The bug, with every rank seeded alike: a step of dropout over each rank's own batch size
+    moves the default generator apart (Rule 2), then the script splits its data from it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(1234)
+    with _mode() as mode:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2 + rank, 4)).sum().backward()
+        opt.step()
+        torch.utils.data.random_split(list(range(10)), [0.8, 0.2])
+    return _summary(mode)
+
+
 def _distributed_sampler_epochs(
     rank: int, world: int, epochs: int, seed: Any, extra_pass: Any = None
 ) -> dict[str, Any]:
@@ -1084,6 +1129,9 @@ SCENARIOS = [
     "ddp_data_split_on_a_seed_plus_rank_generator_at_the_step_level",
     "ddp_data_split_with_a_generator_of_its_own",
     "ddp_data_split_on_a_default_generator_seeded_alike",
+    "ddp_rank0_splits_alone_from_a_per_rank_stream",
+    "ddp_rank0_splits_alone_from_a_generator_seeded_alike",
+    "ddp_data_split_after_dropout_moved_the_generator_apart",
     "ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level",
     "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level",
     "ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level",
@@ -1150,6 +1198,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
         "fully_shard_same_seed_dropout",
         "ddp_data_split_with_a_generator_of_its_own",
         "ddp_data_split_on_a_default_generator_seeded_alike",
+        "ddp_rank0_splits_alone_from_a_per_rank_stream",
     ],
 )
 def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
@@ -1387,7 +1436,7 @@ def test_a_data_split_drawn_from_a_per_rank_stream_is_found_at_the_split(
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["op"] == "aten.randperm.generator", f
-        assert f["lines"][-1].startswith("train, held_out = torch.utils.data.random_split("), f
+        assert "random_split(" in f["lines"][-1], f
         assert f["cause"].startswith("torch's random_split divides a dataset into parts"), f
         assert (
             "it is seeded differently on each rank (initial seed 1234 on rank 0, 1235 on"
@@ -1402,7 +1451,31 @@ def test_a_data_split_drawn_from_a_per_rank_stream_is_found_at_the_split(
         )
         for r in (0, 1)
     ]
-    assert set(splits[0][1]) & set(splits[1][0])
+    assert set(splits[0][1]) & set(splits[1][0]) and set(splits[1][1]) & set(splits[0][0])
+
+
+def test_a_data_split_on_one_rank_from_a_generator_seeded_alike_is_named(two: Any) -> None:
+    for rank, r in _results(two, "ddp_rank0_splits_alone_from_a_generator_seeded_alike").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["op"] == "aten.randperm.generator" and f["differs"] == "op", f
+        assert (
+            "rank 0 ran an extra random op, aten.randperm.generator on default cpu" in (f["cause"])
+        ), f["cause"]
+        assert (
+            "It was torch's random_split, drawn from default cpu on some ranks only" in (f["cause"])
+        ), f["cause"]
+
+
+def test_a_data_split_after_dropout_moved_its_generator_apart_says_so(two: Any) -> None:
+    for rank, r in _results(two, "ddp_data_split_after_dropout_moved_the_generator_apart").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        cause = r["findings"][0]["cause"]
+        assert cause.startswith("torch's random_split divides a dataset into parts"), cause
+        assert (
+            "Why default cpu differs: the ranks drew different amounts from it in the forward "
+            "and backward of DistributedDataParallel over ranks 0-1"
+        ) in cause, cause
 
 
 def test_a_data_split_drawn_alike_keeps_every_ranks_held_out_samples_apart(two: Any) -> None:

@@ -117,7 +117,7 @@ class _Judged(NamedTuple):
     """What the data-parallel rules say of one random op (``RankChecker._judge``)."""
 
     why: str  # why it is not compared across the ranks ("" when it is)
-    order: str  # the sampler splitting among the ranks the order it drew (Rule 5), or ""
+    order: str  # the sampler splitting among the ranks the order it drew, or random_split (Rule 5)
     call: str  # the generate() call it is the first op of, compared as that call (Rule 8), or ""
     peers: tuple[int, ...] = ()  # compared among these ranks alone, outside the group's order
     across: str = ""  # ... and why not across the group (Rule 2: the wrapper's), with peers
@@ -321,7 +321,7 @@ class RankChecker:
         if event.expect == "ignore" or not self._dp.wrappers or current_expectation() is not None:
             return
         order = data_reading().order
-        if not order:
+        if not order or order == SPLITS_A_DATASET:  # (a split is no pass's order)
             return
         with self._lock:
             passes, digest, seed = self._pass
@@ -487,13 +487,13 @@ class RankChecker:
     def _judge(self, event: RandomOpEvent, mesh: Any) -> _Judged:
         """Why this op is not compared across ranks ("" when it is), the sampler that splits
         among the ranks the order it drew (Rule 5; "" when none, known in a data-parallel
-        program only), and, for the first op of a generate() call on a model no wrapper wraps,
-        why the call's ops are this rank's own (the op is compared as the call; "" for any
-        other), and, for an op of a data-parallel forward whose wrapper has tensor-parallel
-        peers, those peers (the op is compared among them alone). The frames are walked once,
-        in a data-parallel program, one that loaded a dispatcher (Rule 6) or reads its own
-        share of the data (Rule 7, also before the first step), and not for the ops of a
-        wrapper's forward."""
+        program only; or torch's random_split, also before the first step), and, for the first
+        op of a generate() call on a model no wrapper wraps, why the call's ops are this rank's
+        own (the op is compared as the call; "" for any other), and, for an op of a
+        data-parallel forward whose wrapper has tensor-parallel peers, those peers (the op is
+        compared among them alone). The frames are walked once, in a data-parallel program, one
+        that loaded a dispatcher (Rule 6) or reads its own share of the data (Rule 7, also
+        before the first step), and not for the ops of a wrapper's forward."""
         if event.expect == "ignore":
             return _Judged("under expect('ignore')", "", "")
         if mesh is not None:  # declared: DTensor's contract (its mesh) ...
@@ -532,8 +532,11 @@ class RankChecker:
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
             return _Judged(why, "", "")
-        # (an order counts in a data-parallel program; a dataset's split before any wrapper too)
-        order = reading.order if self._dp.wrappers or reading.order == SPLITS_A_DATASET else ""
+        order = reading.order if self._dp.wrappers else ""
+        if reading.order == SPLITS_A_DATASET:
+            # (a dataset's split also before any wrapper is built; but not from a generator the
+            # ranks are known to seed apart on purpose (Rule 3): a rank may split alone there)
+            order = "" if gen_key(event) in self._per_rank_keys else SPLITS_A_DATASET
         if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
             return _Judged(f"{SHARE_WHY}{reading.share}", "", "")

@@ -19,11 +19,14 @@ mix of sources) must be drawn alike too. (Draws there that only augment a sample
 harmless if they differed, but they are compared as well: accelerate synchronises the dataset's
 own ``generator`` each pass, the place for them.)
 
-torch's ``random_split`` (a dataset into training and validation sets) is a replicated decision
-too: ranks that draw its permutation apart each hold out different samples, so one rank trains on
-what another validates on, and a sampler then splits a different training set on each rank. It
-is one whether or not a wrapper is built yet (a script splits its data before it wraps its
-model); before any is, a draw on a generator seeded per rank is a finding as in any program.
+torch's ``random_split`` (a dataset into training and validation sets) is a replicated decision too:
+ranks that draw its permutation apart each hold out different samples, so one rank trains on what
+another validates on, and a sampler then splits a different training set on each rank. It is one
+whether or not a wrapper is built yet (a script splits its data before it wraps its model), and
+before the first step in a program with none (ranks that share a batch, under tensor or pipeline
+parallelism, then read different data; later there it is compared as any op). Not from a generator
+already known to be seeded per rank on purpose (Rule 3): a rank may split alone there (a subset for
+its logs). A rank that splits a shard of its own marks the split with ``rngcheck.expect("differ")``.
 
 Known by the function that iterates the inner order (its code object): a sampler of the
 user's that shards by rank after shuffling with its own per-rank stream is not one, and is left
@@ -56,6 +59,7 @@ before it splits itself by rank (every rank must then draw alike; under
 
 from __future__ import annotations
 
+import inspect
 import sys
 from types import CodeType, FrameType
 from typing import Any, NamedTuple
@@ -155,7 +159,8 @@ def _known() -> dict[int, tuple[str, str]]:
                 func = vars(cls).get(name) if isinstance(cls, type) else None
             else:  # a module's function
                 func = vars(mod).get(name)
-            code = getattr(func, "__code__", None)
+            # (the function itself, should a version wrap it: a wrapper's code is shared)
+            code = getattr(inspect.unwrap(func) if func is not None else None, "__code__", None)
             if isinstance(code, CodeType):
                 _HELD.append(code)
                 _CODES[id(code)] = entry
@@ -166,7 +171,7 @@ def _known() -> dict[int, tuple[str, str]]:
 class Reading(NamedTuple):
     """What reads the data a random op draws for."""
 
-    order: str = ""  # the sampler splitting among the ranks the order drawn (Rule 5)
+    order: str = ""  # the sampler splitting among the ranks the order drawn, or random_split
     dispatcher: str = ""  # the dispatcher reading on this rank every rank's batches (Rule 6)
     share: str = ""  # what splits among the ranks the data fetched here for this rank (Rule 7)
 

@@ -256,6 +256,13 @@ def _flow_finding(
         call = details[extra_side[0]].call
         if call:  # (Rule 8: the op stands for the call; the rest of what it drew is not compared)
             cause = _call_cause(call, ev, extra_side, others)
+        elif details[extra_side[0]].order == SPLITS_A_DATASET:
+            cause += (
+                f". It was {SPLITS_A_DATASET}, drawn from {ev.generator.label} on some ranks "
+                "only, which shifts every later random op from it there: split on every rank, "
+                "or give random_split a generator of its own (generator=torch.Generator()"
+                ".manual_seed(seed))"
+            )
         elif any(_DATA_DIR in f.filename for f in ev.stack.frames):
             cause += (
                 ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
@@ -514,6 +521,8 @@ def _split_order(e: _StateEvidence) -> str:
             f"it is seeded differently on each rank (initial seed {ref.seed} on "
             f"{_ranks_word(e.ref.ranks)}, {e.ev.seed} on {_ranks_word(e.odd.ranks)})"
         )
+    elif (moved := _moved_apart(e.details)) is not None:
+        why = f"{moved[1]}, and it differs across ranks from there"
     else:
         why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
     what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=e.gen)
@@ -526,6 +535,8 @@ def _order_advice(order: str, seeded: RandomOpEvent | None) -> str:
     it, when the ranks seeded its generator differently (under PyTorch Lightning, which makes
     the sampler with seed_everything's seed, that is where the seed came from)."""
     advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
+    if order == SPLITS_A_DATASET:  # (not a sampler Lightning made)
+        return advice
     if seeded is not None and any(
         d in f.filename.replace("\\", "/") for f in seeded.stack.frames for d in _LIGHTNING_DIRS
     ):
@@ -562,10 +573,12 @@ _STREAM_ADVICE = (
 )
 _SPLIT_DATASET = (
     "{order} divides a dataset into parts (training and validation sets) by a permutation, and "
-    "the ranks drew it from {gen} in different states: each rank holds out different samples, "
-    "so samples one rank validates on are trained on by another (validation no longer measures "
-    "unseen data), and a sampler that splits the training set among the ranks splits a "
-    "different set on each."
+    "the ranks drew it from {gen} in different states: each rank holds out different samples "
+    "and keeps a different training set. In data-parallel training the samples one rank "
+    "validates on are trained on by another (validation no longer measures unseen data), and a "
+    "sampler that divides the training set among the ranks divides a different set on each, so "
+    "an epoch trains on some samples twice and on others never; ranks that share a batch "
+    "(tensor or pipeline parallelism) read different data."
 )
 _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
     "accelerate's IterableDatasetShard": _STREAM,
@@ -642,8 +655,8 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     "transformers' IterableDatasetShard": _STREAM_ADVICE,
     SPLITS_A_DATASET: (
         "Give random_split a generator seeded alike on every rank "
-        "(generator=torch.Generator().manual_seed(seed)), or split the data before seeding "
-        "per rank"
+        "(generator=torch.Generator().manual_seed(seed)); where each rank splits a shard of "
+        "its own on purpose, mark the split with rngcheck.expect('differ')"
     ),
 }
 
@@ -850,6 +863,12 @@ def data_parallel_drift(spot: Spot, details: dict[int, Detail]) -> tuple[RandomO
     details only, so every rank decides alike (P5)."""
     if spot.kind != "state" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
         return None
+    return _moved_apart(details)
+
+
+def _moved_apart(details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
+    """:func:`data_parallel_drift`'s answer from the gathered details alone (also for an order
+    split among the ranks, which stays a divergence: this says why its generator differs)."""
     evs = {r: d.event for r, d in details.items() if d.event is not None}
     if len(evs) < 2 or len({gen_key(e) for e in evs.values()}) > 1:
         return None
