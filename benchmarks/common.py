@@ -358,7 +358,12 @@ class Focus:
 
     rounds: int | None = None
     modes: tuple[str, ...] | None = None
-    sizes: tuple[int, ...] | None = None
+    sizes: tuple[int | str, ...] | None = None  # widths d, and GPT2 (the two-rank section)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The widths d asked for (the one-process section's; () when none)."""
+        return tuple(d for d in self.sizes or () if isinstance(d, int))
 
     def pick(self, modes: tuple[str, ...]) -> tuple[str, ...]:
         """The section's ``modes`` that were asked for, in the section's order."""
@@ -399,8 +404,11 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(_positive(t) for t in text.split(",") if t)
+GPT2 = "gpt2"  # in --sizes: the Hugging Face GPT-2 from a tiny config, over two ranks
+
+
+def _sizes(text: str) -> tuple[int | str, ...]:
+    return tuple(t if t == GPT2 else _positive(t) for t in text.split(",") if t)
 
 
 def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None = None) -> int:
@@ -422,7 +430,11 @@ def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None
         help=f"only these modes, comma-separated, plain among them: {','.join(MODES)}",
     )
     parser.add_argument(
-        "--sizes", type=_sizes, default=None, help="model widths d, comma-separated (32,128)"
+        "--sizes",
+        type=_sizes,
+        default=None,
+        help=f"model widths d, comma-separated (32,128), and {GPT2} for the two-rank section's "
+        "GPT-2 from a tiny config",
     )
     if isinstance(sections, dict):
         parser.add_argument(

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from .common import (
     CLOCKS,
+    GPT2,
     MODES,
     NO_FOCUS,
     Budget,
@@ -38,6 +39,7 @@ from .common import (
     markdown_table,
     ratio_table,
 )
+from .gpt2 import make_gpt2_step
 
 __all__ = [
     "budgets",
@@ -145,7 +147,14 @@ def _worker(rank: int, world: int, init_file: str, config: dict[str, Any], out_d
             names = [m for m in config["modes"] if not (result["note"] and m in _RNGCHECK_MODES)]
             result["timing"] = {}
             for d in config["sizes"]:
-                model, step = make_step(d, ddp=True)
+                if d == GPT2:
+                    made = make_gpt2_step(ddp=True)
+                    if made is None:
+                        result["skipped"] = "GPT-2: transformers is not installed"
+                        continue
+                    model, step = made
+                else:
+                    model, step = make_step(d, ddp=True)
                 t = interleave(
                     [MODES[m] for m in names],
                     model,
@@ -178,7 +187,7 @@ def run_world(world: int, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(
-    sizes: tuple[int, ...],
+    sizes: tuple[int | str, ...],
     rounds: int,
     steps: int,
     exchange_steps: int,
@@ -187,7 +196,8 @@ def run(
 ) -> dict[str, Any]:
     """2-rank timing of ``modes`` on ``sizes``; the exchange on the smallest size at each of
     ``worlds``."""
-    config = {"exchange_steps": exchange_steps, "exchange_d": min(sizes)}
+    widths = [d for d in sizes if isinstance(d, int)]
+    config = {"exchange_steps": exchange_steps, "exchange_d": min(widths, default=32)}
     timing = run_world(
         2,
         {
@@ -203,11 +213,24 @@ def run(
     for w in worlds:
         if w != 2 and not timing["note"]:
             exchange[w] = run_world(w, {**config, "timing": False}).get("exchange")
-    return {"note": timing["note"], "timing": timing["timing"], "exchange": exchange}
+    return {
+        "note": timing["note"],
+        "skipped": timing.get("skipped", ""),
+        "timing": timing["timing"],
+        "exchange": exchange,
+    }
 
 
-def _timings(result: dict[str, Any]) -> dict[int, Timings]:
-    return {int(d): Timings(v) for d, v in result["timing"].items()}
+def _timings(result: dict[str, Any]) -> dict[int | str, Timings]:
+    """Rank 0's timings per model: a width d (an int), or "GPT-2" (the tiny config)."""
+    return {_GPT2_LABEL if d == GPT2 else int(d): Timings(v) for d, v in result["timing"].items()}
+
+
+_GPT2_LABEL = "GPT-2"
+
+
+def _what(d: int | str) -> str:
+    return f"d={d}" if isinstance(d, int) else f"{d} (tiny config)"
 
 
 def budgets(result: dict[str, Any]) -> list[Budget]:
@@ -217,12 +240,12 @@ def budgets(result: dict[str, Any]) -> list[Budget]:
 
     out = []
     for d, t in _timings(result).items():
-        out += step_level_budgets(f"2 ranks, d={d}", t)
+        out += step_level_budgets(f"2 ranks, {_what(d)}", t)
         for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
             if {name, "noop"} <= set(t.modes):
                 out.append(
                     Budget(
-                        f"2 ranks, d={d}: {MODES[name].label} / no-op mode",
+                        f"2 ranks, {_what(d)}: {MODES[name].label} / no-op mode",
                         {c: t.ratio(name, "noop", c) for c in CLOCKS},
                         limit,
                     )
@@ -249,7 +272,7 @@ def payload_check(result: dict[str, Any]) -> str:
 
 def timing_table(result: dict[str, Any]) -> str:
     timing = _timings(result)
-    results = {d: timing[d] for d in sorted(timing)}
+    results = {d: timing[d] for d in sorted(timing, key=lambda d: (isinstance(d, str), d))}
     names = results[next(iter(results))].modes
     labels = {n: MODES[n].label for n in names}
     return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, Focus.base(tuple(names)))
@@ -302,7 +325,7 @@ def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     rounds, steps = (2, 2) if quick else (15, 8)
     rounds = focus.rounds or rounds
     result = run(
-        focus.sizes or ((8,) if quick else (32, 128)),
+        focus.sizes or ((8,) if quick else (32, 128, GPT2)),
         rounds=rounds,
         steps=steps,
         exchange_steps=2 if quick else 10,
@@ -310,8 +333,9 @@ def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
         modes=focus.pick(RANK_MODES),
     )
     parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
-    if result["note"]:
-        parts.append(f"Note: {result['note']}")
+    for note in (result["note"], result.get("skipped")):
+        if note:
+            parts.append(f"Note: {note}")
     parts += [timing_table(result), budget_table(budgets(result))]
     if not result["note"]:
         parts += ["### The exchange per training step, no divergence", exchange_table(result)]

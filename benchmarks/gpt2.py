@@ -34,10 +34,11 @@ GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-step")
 
 
 def make_gpt2_step(
-    layers: int = 2, width: int = 64, batch: int = 8, length: int = 32
+    layers: int = 2, width: int = 64, batch: int = 8, length: int = 32, ddp: bool = False
 ) -> tuple[Any, Callable[[], None]] | None:
     """The model and one training step (forward, backward, SGD step), or None without
-    transformers."""
+    transformers. ``ddp``: under DistributedDataParallel (every rank builds the same model and
+    batch, so replicated dropout agrees)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import transformers
@@ -55,12 +56,13 @@ def make_gpt2_step(
     model = transformers.GPT2LMHeadModel(config)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        net(input_ids=ids, labels=ids).loss.backward()
         opt.step()
 
     return model, step

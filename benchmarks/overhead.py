@@ -126,7 +126,7 @@ def to_json(results: dict[int, Timings]) -> dict[str, Any]:
 def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The one-process section of the report: markdown and raw numbers."""
     sizes, rounds, steps = ((8,), 2, 2) if quick else ((32, 128), 15, 10)
-    sizes, rounds = focus.sizes or sizes, focus.rounds or rounds
+    sizes, rounds = focus.widths or sizes, focus.rounds or rounds
     modes = focus.pick(SINGLE_MODES)
     results = run(sizes, rounds, steps, modes)
     text = "\n\n".join(

@@ -73,6 +73,23 @@ def test_two_rank_timing_and_exchange_tables():
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_also_time_a_hugging_face_gpt2():
+    """--sizes gpt2: the two-rank section times GPT-2 from a tiny config under DDP (the step
+    level's budget names it), and the one-process section keeps its own widths."""
+    out = _run(
+        "--skip", "compiled,gpt2,memory", "--modes", "plain,rngcheck-step", "--sizes", "8,gpt2"
+    )
+    lines = out.splitlines()
+    assert "| mode | d=8 ms | d=8 / plain | d=8 / plain (CPU) |" in lines  # (widths only)
+    assert (
+        "| mode (2 ranks, DDP over gloo) | d=8 ms | d=8 / plain | d=8 / plain (CPU) "
+        "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |"
+    ) in lines
+    assert '2 ranks, GPT-2 (tiny config): level="step" between samples / plain' in out
+
+
+@pytest.mark.slow
 def test_one_question_with_more_rounds(tmp_path):
     """--modes, --sizes and --rounds narrow the timing sections to one comparison (what a noisy
     machine needs many rounds of); the budgets that lack a mode are left out, not faked."""
