@@ -408,7 +408,17 @@ GPT2 = "gpt2"  # in --sizes: the Hugging Face GPT-2 from a tiny config, over two
 
 
 def _sizes(text: str) -> tuple[int | str, ...]:
-    return tuple(t if t == GPT2 else _positive(t) for t in text.split(",") if t)
+    sizes: list[int | str] = []
+    for token in filter(None, (t.strip().lower() for t in text.split(","))):
+        try:
+            size: int | str = token if token == GPT2 else _positive(token)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number of at least 1 (a width d) or {GPT2}, got {token!r}"
+            ) from None
+        if size not in sizes:
+            sizes.append(size)
+    return tuple(sizes)
 
 
 def cli(doc: str, sections: Section | dict[str, Section], argv: list[str] | None = None) -> int:

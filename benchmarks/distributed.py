@@ -2,6 +2,10 @@
 
     .venv/bin/python -m benchmarks.distributed            # 2-rank timing, exchange at 2 and 4 ranks
     .venv/bin/python -m benchmarks.distributed --quick
+    .venv/bin/python -m benchmarks.distributed --sizes gpt2 --rounds 100   # GPT-2 only
+
+The timed models: the MLP of the other sections at each width d, and the Hugging Face GPT-2 from
+a tiny config (``gpt2``, needs transformers); the exchange is counted on the MLP.
 
 Ranks are local processes (one thread each) rendezvousing through a file, so the run needs no
 free port. Each rank times the modes interleaved, with a barrier before every timed block; the
@@ -43,6 +47,7 @@ from .gpt2 import make_gpt2_step
 
 __all__ = [
     "budgets",
+    "report",
     "exchange_table",
     "main",
     "payload_check",
@@ -150,7 +155,9 @@ def _worker(rank: int, world: int, init_file: str, config: dict[str, Any], out_d
                 if d == GPT2:
                     made = make_gpt2_step(ddp=True)
                     if made is None:
-                        result["skipped"] = "GPT-2: transformers is not installed"
+                        result["skipped"] = (
+                            "Skipped: GPT-2 (tiny config): transformers is not installed."
+                        )
                         continue
                     model, step = made
                 else:
@@ -193,11 +200,12 @@ def run(
     exchange_steps: int,
     worlds: tuple[int, ...],
     modes: tuple[str, ...] = RANK_MODES,
+    exchange_d: int = 32,
 ) -> dict[str, Any]:
-    """2-rank timing of ``modes`` on ``sizes``; the exchange on the smallest size at each of
-    ``worlds``."""
+    """2-rank timing of ``modes`` on ``sizes`` (widths d and GPT2); the exchange on the MLP at
+    the smallest width timed (else ``exchange_d``) at each of ``worlds``."""
     widths = [d for d in sizes if isinstance(d, int)]
-    config = {"exchange_steps": exchange_steps, "exchange_d": min(widths, default=32)}
+    config = {"exchange_steps": exchange_steps, "exchange_d": min(widths, default=exchange_d)}
     timing = run_world(
         2,
         {
@@ -218,15 +226,18 @@ def run(
         "skipped": timing.get("skipped", ""),
         "timing": timing["timing"],
         "exchange": exchange,
+        "exchange_d": config["exchange_d"],
     }
 
 
-def _timings(result: dict[str, Any]) -> dict[int | str, Timings]:
-    """Rank 0's timings per model: a width d (an int), or "GPT-2" (the tiny config)."""
-    return {_GPT2_LABEL if d == GPT2 else int(d): Timings(v) for d, v in result["timing"].items()}
-
-
 _GPT2_LABEL = "GPT-2"
+
+
+def _timings(result: dict[str, Any]) -> dict[int | str, Timings]:
+    """Rank 0's timings per model: the widths d (ints, in order), then "GPT-2" (the tiny
+    config)."""
+    timed = {_GPT2_LABEL if d == GPT2 else int(d): Timings(v) for d, v in result["timing"].items()}
+    return {d: timed[d] for d in sorted(timed, key=lambda d: (isinstance(d, str), d))}
 
 
 def _what(d: int | str) -> str:
@@ -272,7 +283,7 @@ def payload_check(result: dict[str, Any]) -> str:
 
 def timing_table(result: dict[str, Any]) -> str:
     timing = _timings(result)
-    results = {d: timing[d] for d in sorted(timing, key=lambda d: (isinstance(d, str), d))}
+    results = dict(timing)
     names = results[next(iter(results))].modes
     labels = {n: MODES[n].label for n in names}
     return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, Focus.base(tuple(names)))
@@ -331,18 +342,28 @@ def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
         exchange_steps=2 if quick else 10,
         worlds=(2,) if quick else (2, 4),
         modes=focus.pick(RANK_MODES),
+        exchange_d=8 if quick else 32,
     )
+    return report(result, rounds, steps), result
+
+
+def report(result: dict[str, Any], rounds: int, steps: int) -> str:
+    """The markdown of :func:`run`'s ``result`` (timed over ``rounds`` x ``steps``)."""
     parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
-    for note in (result["note"], result.get("skipped")):
-        if note:
-            parts.append(f"Note: {note}")
-    parts += [timing_table(result), budget_table(budgets(result))]
+    parts += [
+        text for text in (result["note"] and f"Note: {result['note']}", result["skipped"]) if text
+    ]
+    if result["timing"]:  # (none when the one model asked for was skipped)
+        parts += [timing_table(result), budget_table(budgets(result))]
     if not result["note"]:
-        parts += ["### The exchange per training step, no divergence", exchange_table(result)]
+        heading = (
+            f"### The exchange per training step, no divergence (MLP, d={result['exchange_d']})"
+        )
+        parts += [heading, exchange_table(result)]
         check = payload_check(result)
         if check:
             parts.append(check)
-    return "\n\n".join(parts), result
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

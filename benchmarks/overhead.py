@@ -127,11 +127,14 @@ def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The one-process section of the report: markdown and raw numbers."""
     sizes, rounds, steps = ((8,), 2, 2) if quick else ((32, 128), 15, 10)
     sizes, rounds = focus.widths or sizes, focus.rounds or rounds
+    title = f"### One process ({rounds} interleaved rounds x {steps} steps per mode)"
+    if focus.sizes and not focus.widths:  # (--sizes gpt2: the two-rank section's model only)
+        return f"{title}\n\nSkipped: --sizes named no width d.", {}
     modes = focus.pick(SINGLE_MODES)
     results = run(sizes, rounds, steps, modes)
     text = "\n\n".join(
         [
-            f"### One process ({rounds} interleaved rounds x {steps} steps per mode)",
+            title,
             table(results, Focus.base(modes)),
             budget_table(budgets(results)),
         ]

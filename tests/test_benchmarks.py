@@ -77,6 +77,7 @@ def test_two_rank_timing_and_exchange_tables():
 def test_two_ranks_also_time_a_hugging_face_gpt2():
     """--sizes gpt2: the two-rank section times GPT-2 from a tiny config under DDP (the step
     level's budget names it), and the one-process section keeps its own widths."""
+    pytest.importorskip("transformers")
     out = _run(
         "--skip", "compiled,gpt2,memory", "--modes", "plain,rngcheck-step", "--sizes", "8,gpt2"
     )
@@ -87,6 +88,52 @@ def test_two_ranks_also_time_a_hugging_face_gpt2():
         "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |"
     ) in lines
     assert '2 ranks, GPT-2 (tiny config): level="step" between samples / plain' in out
+
+
+def test_the_two_rank_report_orders_its_models_and_says_what_was_skipped():
+    """The two-rank section's tables from a result (no ranks started): widths in order, then
+    GPT-2; a run whose one model was skipped says so instead of drawing an empty table."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import distributed
+
+    samples = {c: {"plain": [[1.0, 1.0]], "rngcheck-step": [[1.02, 1.02]]} for c in ("wall", "cpu")}
+    timed = {"gpt2": samples, "32": samples, "8": samples}  # (keys as JSON gives them back)
+    result = {"note": "", "skipped": "", "timing": timed, "exchange": {2: None}, "exchange_d": 8}
+    assert list(distributed._timings(result)) == [8, 32, "GPT-2"]
+    text = distributed.report(result, 1, 2)
+    assert "| d=8 ms | d=8 / plain | d=8 / plain (CPU) | d=32 ms |" in text
+    budgets = [b.what for b in distributed.budgets(result) if "between samples" in b.what]
+    assert [b.split(":")[0] for b in budgets] == [
+        "2 ranks, d=8",
+        "2 ranks, d=32",
+        "2 ranks, GPT-2 (tiny config)",
+    ]
+    assert "(MLP, d=8)" in text
+    skipped = "Skipped: GPT-2 (tiny config): transformers is not installed."
+    text = distributed.report({**result, "timing": {}, "skipped": skipped}, 1, 2)
+    assert skipped in text and "| mode (2 ranks" not in text
+
+
+def test_the_bootstrap_reads_a_json_file_and_refuses_one_without_its_modes(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import bootstrap
+
+    # 40 rounds: the step level 2% over plain, the op level 2x, so 1 in 100 is 1.03x
+    rounds = {"plain": [[1.0]] * 40, "rngcheck-step": [[1.02]] * 40, "rngcheck": [[2.0]] * 40}
+    samples = {c: dict(rounds) for c in ("wall", "cpu")}
+    r = bootstrap.interval(samples, "cpu")
+    assert (r["rounds"], r["low"], r["high"]) == (40, r["amortised"], r["amortised"])
+    assert r["amortised"] == pytest.approx((99 * 1.02 + 2.0) / 100)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"ranks": {"timing": {"gpt2": samples}}}))
+    assert bootstrap.main([str(path)]) == 0
+    assert (
+        "| GPT-2 | cpu | 40 | 1.020x | 2.00x | 1.030x [1.030, 1.030] |" in capsys.readouterr().out
+    )
+    del samples["wall"]["rngcheck"]
+    path.write_text(json.dumps({"ranks": {"timing": {"8": samples}}}))
+    assert bootstrap.main([str(path)]) == 2
+    assert "with --modes plain,rngcheck,rngcheck-step" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -132,7 +179,7 @@ def test_one_question_with_more_rounds(tmp_path):
         (["--modes", "rngcheck"], "include plain"),
         (["--modes", "plain,fast"], "unknown mode 'fast'; expected some of: plain, noop"),
         (["--rounds", "0"], "expected a whole number of at least 1, got '0'"),
-        (["--sizes", "32,x"], "expected a whole number of at least 1, got 'x'"),
+        (["--sizes", "32,x"], "expected a whole number of at least 1 (a width d) or gpt2, got 'x'"),
     ],
 )
 def test_a_bad_focus_is_refused_before_anything_runs(args, expected):

@@ -1,0 +1,89 @@
+"""How sure a two-rank step-level ratio is: a bootstrap over the rounds of a ``--json`` file.
+
+    .venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory --sizes 32 --rounds 100 \\
+        --modes plain,rngcheck,rngcheck-step --json r.json
+    .venv/bin/python -m benchmarks.bootstrap r.json          # every model timed there
+
+For each model and clock: level="step" between samples over plain training, the op level over
+plain training, and the amortised row (1 step in SAMPLE_EVERY op by op) per round; their
+medians; and a 95% percentile interval of the amortised median from resampling the rounds
+(the rounds are the paired unit, as in every ratio of the suite). Needs the modes plain,
+rngcheck-step and rngcheck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from typing import Any
+
+from .common import CLOCKS, SAMPLE_EVERY, amortised
+
+__all__ = ["interval", "main"]
+
+_NEEDED = ("plain", "rngcheck-step", "rngcheck")
+
+
+def interval(
+    samples: dict[str, Any], clock: str, draws: int = 4000, seed: int = 0
+) -> dict[str, float]:
+    """One model's bootstrap on ``clock`` (its samples as ``--json`` writes them: clock -> mode
+    -> rounds of step times)."""
+    per_mode = samples[clock]
+    rounds = len(per_mode["plain"])
+
+    def ratio(mode: str, i: int) -> float:
+        return statistics.median(per_mode[mode][i]) / statistics.median(per_mode["plain"][i])
+
+    between = [ratio("rngcheck-step", i) for i in range(rounds)]
+    op = [ratio("rngcheck", i) for i in range(rounds)]
+    rows = [amortised(b, o) for b, o in zip(between, op, strict=True)]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(rows, k=rounds)) for _ in range(draws))
+    return {
+        "rounds": rounds,
+        "between": statistics.median(between),
+        "op": statistics.median(op),
+        "amortised": statistics.median(rows),
+        "low": medians[int(0.025 * draws)],
+        "high": medians[int(0.975 * draws) - 1],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("json", help="a file written by python -m benchmarks --json")
+    args = parser.parse_args(argv)
+    with open(args.json) as f:
+        timing = json.load(f).get("ranks", {}).get("timing", {})
+    usable = {k: v for k, v in timing.items() if all(m in v["wall"] for m in _NEEDED)}
+    if not usable:
+        print(
+            f"{args.json} has no two-rank timing of {', '.join(_NEEDED)}: run the two-rank section "
+            "with --modes plain,rngcheck,rngcheck-step and --json",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        "| model | clock | rounds | step level between samples | op level "
+        f"| 1 in {SAMPLE_EVERY} op by op, median [95% interval] |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for key, samples in usable.items():
+        for clock in CLOCKS:
+            r = interval(samples, clock)
+            model = "GPT-2" if key == "gpt2" else f"d={key}"
+            print(
+                f"| {model} | {clock} | {r['rounds']} | {r['between']:.3f}x | {r['op']:.2f}x | "
+                f"{r['amortised']:.3f}x [{r['low']:.3f}, {r['high']:.3f}] |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
