@@ -417,6 +417,10 @@ class RNGConsistencyMode:
         """
         if self._entered and self._ranks is None:
             self._ranks = self._start_ranks()
+            # The splits drawn before it, compared from here on: only from a window that still
+            # holds every op drawn before (a rank that dropped some could not tell its splits).
+            if self._ranks is not None and self._window.total == len(self._window.events):
+                self._ranks.adopt_splits(self._window.events)
 
     def check(self) -> Report:
         """Exchange with the other ranks now (with several ranks) and return the report.

@@ -62,6 +62,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# torch 2.14's gloo aborts a rank now and then as the interpreter exits, after its work is done,
+# also without rngcheck (RNGCHECK=0): C++ std::terminate from a thread still running at exit.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_at_exit(run: subprocess.CompletedProcess[str], ranks: int) -> bool:
+    """Whether a launch of ``ranks`` ranks that each print "training finished" failed only by
+    that abort at exit (worth running again once, and saying so)."""
+    return (
+        run.returncode != 0
+        and EXIT_ABORT in run.stderr
+        and run.stdout.count("training finished") == ranks
+    )
+
+
 @dataclass
 class DistRun:
     """What one launch produced: per-scenario, per-rank results, and each rank's stderr."""

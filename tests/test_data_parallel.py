@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import scenario_mode
+from _dist import aborted_at_exit, scenario_mode
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -1776,13 +1776,8 @@ def _torchrun_script(name: str, out: Any, **env: str) -> dict[str, Any]:
             cwd=os.getcwd(),
         )
         # A rank of the Trainer's script aborts now and then as the interpreter exits, after
-        # training and writing its results, also without rngcheck (RNGCHECK=0, torch 2.14):
-        # C++ std::terminate from a thread still running at exit. Run again once, and say so.
-        if not (
-            r.returncode != 0
-            and "terminate called without an active exception" in r.stderr
-            and r.stdout.count("training finished") == 2
-        ):
+        # training and writing its results (_dist.EXIT_ABORT). Run again once, and say so.
+        if not aborted_at_exit(r, 2):
             break
         print(f"{name} {env}: a rank aborted at exit after training; run again", file=sys.stderr)
     assert r.returncode == 0, r.stderr[-4000:]

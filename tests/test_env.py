@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dist import aborted_at_exit
 
 from rngcheck.core.findings import Finding
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
@@ -48,11 +49,13 @@ def _line(script: str, text: str) -> str:
     return f"{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
-def _torchrun(nproc: int, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _torchrun(
+    nproc: int, script: str, *script_args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
     # --standalone: the rendezvous binds a free port itself (a port picked here could be taken
     # by a concurrent test before torchrun binds it); gloo stays on loopback (GLOO_SOCKET_IFNAME).
     args = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(SCRIPTS / script)]
-    return _run(args, **env)
+    return _run([*args, *script_args], **env)
 
 
 # -- off means off -------------------------------------------------------------------------------
@@ -284,6 +287,43 @@ def test_torchrun_two_ranks_record_renders_each_finding_once_at_exit(tmp_path: P
     assert r.stderr.count(RECOMPUTE_TITLE) == own
     summary = f"rngcheck: {reports[0].random_ops} random op(s) checked on rank 0 of 2, "
     assert r.stderr.count(summary) == 1  # one summary line, from rank 0
+
+
+@pytest.mark.slow
+def test_a_data_split_before_init_process_group_is_compared_once_the_group_is_up(
+    tmp_path: Path,
+) -> None:
+    """The random ops before init_process_group are the environment-started mode's alone; the
+    splits among them (random_split from a rank-seeded generator) are compared at the first
+    exchange, and a split from a generator of its own stays quiet, training as without it."""
+    runs = {}
+    for own in ("0", "1"):
+        for on in ("0", "1"):
+            out, reports = tmp_path / f"out{own}{on}", tmp_path / f"reports{own}{on}"
+            out.mkdir()
+            env = {"RNGCHECK_ON_FINDING": "record", "RNGCHECK_REPORT": str(reports)}
+            for _ in range(2):  # (again once after torch 2.14's abort at exit: _dist.EXIT_ABORT)
+                r = _torchrun(
+                    2, "split_before_init.py", str(out), RNGCHECK=on, SPLIT_GENERATOR=own, **env
+                )
+                if not aborted_at_exit(r, 2):
+                    break
+            assert r.returncode == 0, r.stderr[-3000:]
+            runs[own, on] = [json.loads((out / f"result{i}.json").read_text()) for i in (0, 1)]
+    assert runs["1", "1"] == runs["1", "0"]  # bitwise: the checker changed nothing
+    # what the finding claims: split from the rank-seeded generator, one rank's held-out samples
+    # are the other's to train on
+    apart = runs["0", "0"]
+    assert set(apart[0]["val"]) & set(apart[1]["seen"]) or set(apart[1]["val"]) & set(
+        apart[0]["seen"]
+    )
+    for rank in (0, 1):
+        assert Report.load(tmp_path / "reports11" / f"rank{rank}.json").ok
+        (f,) = Report.load(tmp_path / "reports01" / f"rank{rank}.json").findings
+        assert f.op == "aten.randperm.generator" and f.site == _line(
+            "split_before_init.py", "random_split("
+        ), f
+        assert f.cause.startswith("torch's random_split divides a dataset into parts"), f.cause
 
 
 @pytest.mark.slow

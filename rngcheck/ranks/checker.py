@@ -20,7 +20,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,7 +34,13 @@ from ..core.policy import current_expectation
 from ..core.stacks import Stack
 from .board import Board
 from .data_parallel import DataParallelTracker, Wrapper
-from .data_reading import DISPATCHER_MODULES, NOT_READING, SPLITS_A_DATASET, data_reading
+from .data_reading import (
+    DISPATCHER_MODULES,
+    NOT_READING,
+    SPLITS_A_DATASET,
+    data_reading,
+    drawn_by_random_split,
+)
 from .exchange import PeerLost, SideGroup
 from .findings import (
     DATA_PARALLEL_WHY,
@@ -285,6 +291,20 @@ class RankChecker:
             self._exchange(Point.RANDOM_OP, event.op)
         elif self._in_order >= self._cfg.every_ops:
             self._exchange(Point.EVERY, "")
+
+    def adopt_splits(self, events: Iterable[RandomOpEvent]) -> int:
+        """Random ops that torch's random_split drew before this checker started (under
+        RNGCHECK=1 it starts as the script initialises torch.distributed, and a script that reads
+        its rank from the environment may split its data before that): compared at the first
+        exchange point, by state, as the splits drawn later are (Rule 5). Each rank adopts its
+        own, in order, from the same schedule (P5); how many it adopted."""
+        if self._stopped or not self._checking:
+            return 0
+        picked = [e for e in events if e.expect == "same" and drawn_by_random_split(e)]
+        with self._lock:
+            for event in picked:
+                self._add(event, None, None, SPLITS_A_DATASET)
+        return len(picked)
 
     @property
     def wants_passes(self) -> bool:

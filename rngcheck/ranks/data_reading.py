@@ -73,6 +73,7 @@ __all__ = [
     "SPLITS_A_DATASET",
     "Reading",
     "data_reading",
+    "drawn_by_random_split",
 ]
 
 _ACCELERATE = "accelerate.data_loader"
@@ -216,6 +217,18 @@ def data_reading(skip: int = 0) -> Reading:
         below, frame = frame, frame.f_back
         depth += 1
     return Reading(order=order or "", share=share) if order or share else NOT_READING
+
+
+_SPLIT_FILE = "torch/utils/data/dataset.py"
+
+
+def drawn_by_random_split(event: Any) -> bool:
+    """Whether torch's ``random_split`` drew the random op ``event`` (a RandomOpEvent), read from
+    its captured stack: for ops recorded before the rank checker started, whose frames are gone."""
+    return any(
+        f.name == "random_split" and f.filename.replace("\\", "/").endswith(_SPLIT_FILE)
+        for f in event.stack.frames
+    )
 
 
 def _with_replacement(frame: FrameType) -> bool:
