@@ -20,7 +20,7 @@ import statistics
 import sys
 from typing import Any
 
-from .common import CLOCKS, SAMPLE_EVERY, amortised
+from .common import CLOCKS, SAMPLE_EVERY, amortised, block_value
 
 __all__ = ["interval", "main"]
 
@@ -28,15 +28,20 @@ _NEEDED = ("plain", "rngcheck-step", "rngcheck")
 
 
 def interval(
-    samples: dict[str, Any], clock: str, draws: int = 4000, seed: int = 0
+    samples: dict[str, Any],
+    clock: str,
+    draws: int = 4000,
+    seed: int = 0,
+    per_block: str = "median",
 ) -> dict[str, float]:
     """One model's bootstrap on ``clock`` (its samples as ``--json`` writes them: clock -> mode
-    -> rounds of step times)."""
+    -> rounds of step times; each round's block summed up by ``per_block``, as the run did)."""
     per_mode = samples[clock]
     rounds = len(per_mode["plain"])
 
     def ratio(mode: str, i: int) -> float:
-        return statistics.median(per_mode[mode][i]) / statistics.median(per_mode["plain"][i])
+        ours, plain = per_mode[mode][i], per_mode["plain"][i]
+        return block_value(ours, per_block) / block_value(plain, per_block)
 
     between = [ratio("rngcheck-step", i) for i in range(rounds)]
     op = [ratio("rngcheck", i) for i in range(rounds)]
@@ -60,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", help="a file written by python -m benchmarks --json")
     args = parser.parse_args(argv)
     with open(args.json) as f:
-        timing = json.load(f).get("ranks", {}).get("timing", {})
+        ranks = json.load(f).get("ranks", {})
+    timing = ranks.get("timing", {})
+    per_block = ranks.get("per_block", "median")  # (files written before blocks had a mean)
     usable = {k: v for k, v in timing.items() if all(m in v["wall"] for m in _NEEDED)}
     if not usable:
         print(
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for key, samples in usable.items():
         for clock in CLOCKS:
-            r = interval(samples, clock)
+            r = interval(samples, clock, per_block=per_block)
             model = "GPT-2" if key == "gpt2" else f"d={key}"
             print(
                 f"| {model} | {clock} | {r['rounds']} | {r['between']:.3f}x | {r['op']:.2f}x | "

@@ -45,6 +45,11 @@ from .common import (
 )
 from .gpt2 import make_gpt2_step
 
+try:
+    from rngcheck.ranks.step_digest import STEPS_PER_ROUND
+except ImportError:  # (an rngcheck without the step level: its modes are skipped anyway)
+    STEPS_PER_ROUND = 32
+
 __all__ = [
     "budgets",
     "report",
@@ -56,6 +61,10 @@ __all__ = [
     "timing_table",
 ]
 
+# Each mode's block of steps is summed up by its mean: a block of STEPS_PER_ROUND steps holds a
+# whole round of the step level's exchange (posted at one step, settled at the next), which a
+# median would leave out.
+PER_BLOCK = "mean"
 RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
 _RNGCHECK_MODES = ("rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
 
@@ -225,6 +234,7 @@ def run(
         "note": timing["note"],
         "skipped": timing.get("skipped", ""),
         "timing": timing["timing"],
+        "per_block": PER_BLOCK,
         "exchange": exchange,
         "exchange_d": config["exchange_d"],
     }
@@ -236,7 +246,11 @@ _GPT2_LABEL = "GPT-2"
 def _timings(result: dict[str, Any]) -> dict[int | str, Timings]:
     """Rank 0's timings per model: the widths d (ints, in order), then "GPT-2" (the tiny
     config)."""
-    timed = {_GPT2_LABEL if d == GPT2 else int(d): Timings(v) for d, v in result["timing"].items()}
+    per_block = result.get("per_block", "median")
+    timed = {
+        _GPT2_LABEL if d == GPT2 else int(d): Timings(v, per_block)
+        for d, v in result["timing"].items()
+    }
     return {d: timed[d] for d in sorted(timed, key=lambda d: (isinstance(d, str), d))}
 
 
@@ -333,7 +347,7 @@ def exchange_table(result: dict[str, Any]) -> str:
 
 def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The several-ranks section of the report: markdown and raw numbers."""
-    rounds, steps = (2, 2) if quick else (15, 8)
+    rounds, steps = (2, 2) if quick else (15, STEPS_PER_ROUND)
     rounds = focus.rounds or rounds
     result = run(
         focus.sizes or ((8,) if quick else (32, 128, GPT2)),
@@ -349,7 +363,11 @@ def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
 
 def report(result: dict[str, Any], rounds: int, steps: int) -> str:
     """The markdown of :func:`run`'s ``result`` (timed over ``rounds`` x ``steps``)."""
-    parts = [f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode)"]
+    per_block = result.get("per_block", "median")
+    parts = [
+        f"### Two ranks, gloo ({rounds} interleaved rounds x {steps} steps per mode, "
+        f"the {per_block} of each block)"
+    ]
     parts += [
         text for text in (result["note"] and f"Note: {result['note']}", result["skipped"]) if text
     ]

@@ -136,6 +136,45 @@ def test_the_bootstrap_reads_a_json_file_and_refuses_one_without_its_modes(tmp_p
     assert "with --modes plain,rngcheck,rngcheck-step" in capsys.readouterr().err
 
 
+def test_two_rank_blocks_count_the_rounds_a_median_would_leave_out(tmp_path, capsys):
+    """Two ranks sum each block up by its mean: the step level's round of exchange falls on 2
+    steps in 32, and a block's median would drop exactly those. The report, the budget rows and
+    the bootstrap (reading the run's choice from its JSON file) all count them."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import bootstrap, distributed
+    from benchmarks.common import Timings, block_value
+
+    # A block of 4 steps: the step level's are 1.0 except one at 1.4 (a round's post), so its
+    # median is 1.0 and its mean 1.1.
+    rounds = {"plain": [[1.0] * 4] * 20, "rngcheck-step": [[1.0, 1.4, 1.0, 1.0]] * 20}
+    rounds["rngcheck"] = [[2.0] * 4] * 20
+    samples = {c: dict(rounds) for c in ("wall", "cpu")}
+    assert Timings(samples).ratio("rngcheck-step", "plain") == 1.0
+    assert Timings(samples, "mean").ratio("rngcheck-step", "plain") == pytest.approx(1.1)
+    assert Timings(samples, "mean").median("rngcheck-step") == pytest.approx(1.1)
+    with pytest.raises(ValueError, match='"median" or "mean"'):
+        block_value([1.0], "max")
+
+    result = {
+        "note": "",
+        "skipped": "",
+        "timing": {"8": samples},
+        "per_block": distributed.PER_BLOCK,
+        "exchange": {2: None},
+        "exchange_d": 8,
+    }
+    assert "x 4 steps per mode, the mean of each block)" in distributed.report(result, 20, 4)
+    between = next(b for b in distributed.budgets(result) if "between samples" in b.what)
+    assert between.measured["cpu"] == pytest.approx(1.1)
+    assert between.verdict == "NOT met"
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"ranks": result}))
+    assert bootstrap.main([str(path)]) == 0
+    amortised = (99 * 1.1 + 2.0) / 100
+    assert f"| d=8 | cpu | 20 | 1.100x | 2.00x | {amortised:.3f}x" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_one_question_with_more_rounds(tmp_path):
     """--modes, --sizes and --rounds narrow the timing sections to one comparison (what a noisy
