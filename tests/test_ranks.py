@@ -9,6 +9,7 @@ rank drew it. Every launch has a hard timeout and every checker a short exchange
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -374,6 +375,31 @@ def one_of_four(rank: int, world: int) -> dict[str, Any]:
     return {**_summary(mode), "line": locals().get("line")}
 
 
+def three_states(rank: int, world: int) -> dict[str, Any]:
+    """Four ranks in three states at one dropout: ranks 1 and 2 each drew numbers of their own
+    (a different count each) where no mode could see it, ranks 0 and 3 none."""
+    from rich.console import Console
+
+    import rngcheck
+
+    torch.manual_seed(0)
+    with _mode(on_finding="warn") as mode:
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _train_step(model, opt)
+        if rank in (1, 2):
+            with torch._C._DisableTorchDispatch():  # (drawn where no mode can see it)
+                torch.rand(rank)
+        line = _line()
+        _train_step(model, opt)
+    out: dict[str, Any] = {**_summary(mode), "line": line}
+    if mode.report.findings and rank == 0:
+        console = Console(file=io.StringIO(), force_terminal=True, width=160, color_system=None)
+        console.print(rngcheck.render_finding(mode.report.findings[0], world))
+        out["rich"] = console.file.getvalue()
+    return out
+
+
 def rank_list_group(rank: int, world: int) -> dict[str, Any]:
     """group=[0, 1] on four ranks: ranks 0 and 1 are checked with each other, 2 and 3 not at all."""
     torch.manual_seed(rank if rank >= 2 else 0)  # ranks 2 and 3 differ: nobody asked them to agree
@@ -657,6 +683,7 @@ _FOUR = [
     "clean_training",
     "pair_streams",
     "one_of_four",
+    "three_states",
     "subgroups",
     "rank_list_group",
     "mesh_dims",
@@ -933,6 +960,28 @@ def test_one_rank_of_four_is_the_outlier(four: Any) -> None:
         assert outliers["label"] == "outliers" and outliers["ranks"] == [2]
     _rendered_once(results, 0)
     assert "majority (ranks 0-1,3 of 4)" in results[0]["rendered"]
+
+
+def test_four_ranks_in_three_states_name_every_group_and_show_a_shared_stack_once(
+    four: Any,
+) -> None:
+    """Seen on Hugging Face's Trainer over 4 ranks: three states at one line named only two of
+    them ("ranks 0,3 and rank 2 differ"), and the same stack was drawn three times."""
+    results = four["three_states"]
+    for r in results.values():
+        f = _only(r)
+        assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1, 2, 3]
+        assert [s["ranks"] for s in f["sides"]] == [[0, 3], [1], [2]] or [
+            s["ranks"] for s in f["sides"]
+        ] == [[0, 3], [2], [1]], f["sides"]
+        assert "ranks 0,3; rank " in f["message"] and " hold 3 different states " in f["message"]
+        assert "rank 1" in f["message"] and "rank 2" in f["message"], f["message"]
+    _rendered_once(results, 0)
+    plain, rich = results[0]["rendered"], results[0]["rich"]
+    assert plain.count("stack (most recent call last):") == 1, plain
+    assert plain.count(": the same stack as majority (ranks 0,3 of 4)") == 2, plain
+    assert rich.count(": the same stack as majority (ranks 0,3 of 4)") == 2, rich
+    assert rich.count(f"test_ranks.py:{results[0]['line']}") == 1, rich
 
 
 def test_mode_group_as_a_rank_list(four: Any) -> None:

@@ -5,6 +5,8 @@ console; the rest of rngcheck records, warns and raises."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
@@ -97,6 +99,18 @@ def _caption(side_label: str, e: RandomOpEvent | None, op: str) -> str:
     return f"{e.op} drew from {e.generator.short_label} {state}"
 
 
+def _drawn_before(stacks: Sequence[tuple[Any, ...]]) -> list[str | None]:
+    """Per ``(label, stack, ...)``, the label of an earlier one with the same frames, else None:
+    ranks in several states at one line (every rank's own, at 8 ranks) show its stack once."""
+    first: dict[tuple[tuple[str, int, str], ...], str] = {}
+    out: list[str | None] = []
+    for label, stack, *_ in stacks:
+        key = tuple((f.filename, f.lineno, f.name) for f in stack.user_frames[-_MAX_FRAMES:])
+        shown = first.setdefault(key, label) if key else label
+        out.append(None if shown == label else shown)
+    return out
+
+
 def _traceback(stack: Stack, title: str, message: str) -> Traceback | None:
     frames = stack.user_frames[-_MAX_FRAMES:]
     if not frames:
@@ -132,7 +146,10 @@ def render_finding(finding: Finding, world_size: int = 0) -> RenderableType:
     stacks: list[tuple[str, Stack, RandomOpEvent | None]] = [
         (_side_label(s, world_size), s.stack, s.event) for s in finding.sides if s.event is not None
     ] or [("call site", finding.stack, None)]
-    for label, stack, event in stacks:
+    for (label, stack, event), same in zip(stacks, _drawn_before(stacks), strict=True):
+        if same is not None:
+            parts.append(Text(f"{label}: the same stack as {same}", style="bold"))
+            continue
         tb = _traceback(stack, label, _caption(label, event, finding.op))
         if tb is not None:
             parts.append(Text(f"{label}:", style="bold"))
@@ -164,9 +181,12 @@ def format_finding(finding: Finding, world_size: int = 0) -> str:
     stacks = [
         (_side_label(s, world_size), s.stack) for s in finding.sides if s.event is not None
     ] or [("call site", finding.stack)]
-    for label, stack in stacks:
+    for (label, stack), same in zip(stacks, _drawn_before(stacks), strict=True):
         frames = stack.user_frames[-_MAX_FRAMES:]
         if not frames:
+            continue
+        if same is not None:
+            lines.append(f"  {label}: the same stack as {same}")
             continue
         lines.append(f"  {label} stack (most recent call last):")
         for f in frames:

@@ -742,11 +742,16 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     evidence = _StateEvidence(before_differs, ref, odd, gen, seeds, details)
     cause = next(c.says(evidence) for c in STATE_CAUSES if c.when(evidence))
     what = "before" if before_differs else "after"
+    if len(sides) > 2:  # every group named, not only the first two
+        words = [_ranks_word(s.ranks) for s in sides]
+        apart = f"{'; '.join(words[:-1])} and {words[-1]} hold {len(sides)} different states"
+    else:
+        apart = f"{_ranks_word(ref.ranks)} and {_ranks_word(odd.ranks)} differ"
     return Finding(
         kind=FindingKind.RANK_DIVERGENCE,
         message=(
-            f"ranks that must hold the same {gen} state do not: {_ranks_word(ref.ranks)} and "
-            f"{_ranks_word(odd.ranks)} differ {what} {ev.op} at {ev.site} (random op #{ev.seq})"
+            f"ranks that must hold the same {gen} state do not: {apart} {what} {ev.op} at "
+            f"{ev.site} (random op #{ev.seq})"
         ),
         op=ev.op,
         cause=cause,
