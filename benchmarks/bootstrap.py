@@ -62,12 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("json", help="a file written by python -m benchmarks --json")
+    parser.add_argument(
+        "json",
+        help="a file written by python -m benchmarks --json (or python -m benchmarks.distributed)",
+    )
+    parser.add_argument(
+        "--per-block",
+        choices=("median", "mean"),
+        default=None,
+        help="sum each block of steps up this way instead of as the run did (to tell what the "
+        "statistic changes from what the blocks' length changes)",
+    )
     args = parser.parse_args(argv)
     with open(args.json) as f:
-        ranks = json.load(f).get("ranks", {})
-    timing = ranks.get("timing", {})
-    per_block = ranks.get("per_block", "median")  # (files written before blocks had a mean)
+        data = json.load(f)
+    ranks = data.get("ranks") or data.get("results") or {}  # (the section run on its own)
+    timing = ranks.get("timing", {}) if isinstance(ranks, dict) else {}
+    # (files written before blocks had a mean: their medians)
+    per_block = args.per_block or ranks.get("per_block", "median")
     usable = {k: v for k, v in timing.items() if all(m in v["wall"] for m in _NEEDED)}
     if not usable:
         print(

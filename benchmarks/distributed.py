@@ -61,10 +61,12 @@ __all__ = [
     "timing_table",
 ]
 
-# Each mode's block of steps is summed up by its mean: a block of STEPS_PER_ROUND steps holds a
-# whole round of the step level's exchange (posted at one step, settled at the next), which a
-# median would leave out.
+# Each mode's block of steps is summed up by its mean: a median leaves out a block's slower
+# steps, and at level="step" (every_steps=1) a block of TIMED_STEPS steps after its warmup holds
+# a whole round of the exchange (posted at step STEPS_PER_ROUND of the mode, settled at the
+# next). With every_steps=10 a round fills only after 320 steps: that row never times one.
 PER_BLOCK = "mean"
+TIMED_STEPS = STEPS_PER_ROUND
 RANK_MODES = ("plain", "noop", "rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
 _RNGCHECK_MODES = ("rngcheck", "rngcheck-op", "rngcheck-step", "rngcheck-step-10")
 
@@ -347,7 +349,7 @@ def exchange_table(result: dict[str, Any]) -> str:
 
 def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
     """The several-ranks section of the report: markdown and raw numbers."""
-    rounds, steps = (2, 2) if quick else (15, STEPS_PER_ROUND)
+    rounds, steps = (2, 2) if quick else (15, TIMED_STEPS)
     rounds = focus.rounds or rounds
     result = run(
         focus.sizes or ((8,) if quick else (32, 128, GPT2)),

@@ -173,6 +173,25 @@ def test_two_rank_blocks_count_the_rounds_a_median_would_leave_out(tmp_path, cap
     assert bootstrap.main([str(path)]) == 0
     amortised = (99 * 1.1 + 2.0) / 100
     assert f"| d=8 | cpu | 20 | 1.100x | 2.00x | {amortised:.3f}x" in capsys.readouterr().out
+    assert bootstrap.main([str(path), "--per-block", "median"]) == 0  # (what the mean changes)
+    assert "| d=8 | cpu | 20 | 1.000x | 2.00x | 1.010x" in capsys.readouterr().out
+    path.write_text(json.dumps({"results": result}))  # python -m benchmarks.distributed's file
+    assert bootstrap.main([str(path)]) == 0
+    assert "| d=8 | cpu | 20 | 1.100x |" in capsys.readouterr().out
+
+
+def test_a_two_rank_block_holds_the_post_and_the_settle_of_a_round():
+    """The step level posts a round's digests at its STEPS_PER_ROUND-th step and settles them at
+    the next: the timed block after the mode's warmup holds both (steps counted from 1 as the
+    mode enters; the block times steps warmup + 1 to warmup + TIMED_STEPS)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import distributed
+    from benchmarks.common import MODES
+    from rngcheck.ranks.step_digest import STEPS_PER_ROUND
+
+    warmup = max(1, MODES["rngcheck-step"].warmup)  # (interleave's default warmup is 1)
+    first, last = warmup + 1, warmup + distributed.TIMED_STEPS
+    assert first <= STEPS_PER_ROUND and last >= STEPS_PER_ROUND + 1
 
 
 @pytest.mark.slow

@@ -375,9 +375,9 @@ def one_of_four(rank: int, world: int) -> dict[str, Any]:
     return {**_summary(mode), "line": locals().get("line")}
 
 
-def three_states(rank: int, world: int) -> dict[str, Any]:
-    """Four ranks in three states at one dropout: ranks 1 and 2 each drew numbers of their own
-    (a different count each) where no mode could see it, ranks 0 and 3 none."""
+def _drawn_apart(rank: int, world: int, unseen: int) -> dict[str, Any]:
+    """Two training steps; before the second this rank draws ``unseen`` numbers where no mode
+    can see them, so the ranks meet its dropout in as many states as they drew amounts."""
     from rich.console import Console
 
     import rngcheck
@@ -387,9 +387,9 @@ def three_states(rank: int, world: int) -> dict[str, Any]:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         _train_step(model, opt)
-        if rank in (1, 2):
-            with torch._C._DisableTorchDispatch():  # (drawn where no mode can see it)
-                torch.rand(rank)
+        if unseen:
+            with torch._C._DisableTorchDispatch():
+                torch.rand(unseen)
         line = _line()
         _train_step(model, opt)
     out: dict[str, Any] = {**_summary(mode), "line": line}
@@ -398,6 +398,16 @@ def three_states(rank: int, world: int) -> dict[str, Any]:
         console.print(rngcheck.render_finding(mode.report.findings[0], world))
         out["rich"] = console.file.getvalue()
     return out
+
+
+def three_states(rank: int, world: int) -> dict[str, Any]:
+    """Four ranks in three states: ranks 1 and 2 each drew their own amount, ranks 0 and 3 none."""
+    return _drawn_apart(rank, world, unseen={1: 1, 2: 2}.get(rank, 0))
+
+
+def four_states(rank: int, world: int) -> dict[str, Any]:
+    """Four ranks in four states: each drew its own amount."""
+    return _drawn_apart(rank, world, unseen=rank)
 
 
 def rank_list_group(rank: int, world: int) -> dict[str, Any]:
@@ -684,6 +694,7 @@ _FOUR = [
     "pair_streams",
     "one_of_four",
     "three_states",
+    "four_states",
     "subgroups",
     "rank_list_group",
     "mesh_dims",
@@ -974,14 +985,24 @@ def test_four_ranks_in_three_states_name_every_group_and_show_a_shared_stack_onc
         assert [s["ranks"] for s in f["sides"]] == [[0, 3], [1], [2]] or [
             s["ranks"] for s in f["sides"]
         ] == [[0, 3], [2], [1]], f["sides"]
-        assert "ranks 0,3; rank " in f["message"] and " hold 3 different states " in f["message"]
-        assert "rank 1" in f["message"] and "rank 2" in f["message"], f["message"]
+        assert "ranks 0,3; rank 1 and rank 2 hold 3 different states before " in f["message"]
     _rendered_once(results, 0)
     plain, rich = results[0]["rendered"], results[0]["rich"]
     assert plain.count("stack (most recent call last):") == 1, plain
     assert plain.count(": the same stack as majority (ranks 0,3 of 4)") == 2, plain
     assert rich.count(": the same stack as majority (ranks 0,3 of 4)") == 2, rich
     assert rich.count(f"test_ranks.py:{results[0]['line']}") == 1, rich
+
+
+def test_four_ranks_in_four_states_are_each_on_their_own(four: Any) -> None:
+    results = four["four_states"]
+    for r in results.values():
+        f = _only(r)
+        assert sorted(s["ranks"] for s in f["sides"]) == [[0], [1], [2], [3]], f["sides"]
+        assert "ranks 0-3 each hold a different state before aten.bernoulli_" in f["message"]
+    _rendered_once(results, 0)
+    assert results[0]["rendered"].count("stack (most recent call last):") == 1
+    assert results[0]["rendered"].count(": the same stack as ") == 3
 
 
 def test_mode_group_as_a_rank_list(four: Any) -> None:

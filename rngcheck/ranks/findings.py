@@ -742,8 +742,10 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     evidence = _StateEvidence(before_differs, ref, odd, gen, seeds, details)
     cause = next(c.says(evidence) for c in STATE_CAUSES if c.when(evidence))
     what = "before" if before_differs else "after"
-    if len(sides) > 2:  # every group named, not only the first two
-        words = [_ranks_word(s.ranks) for s in sides]
+    if len(sides) > 2 and all(len(s.ranks) == 1 for s in sides):
+        apart = f"{_ranks_word(sorted(evs))} each hold a different state"
+    elif len(sides) > 2:  # every group named (in rank order after the reference), not two
+        words = [_ranks_word(g) for g in (ref.ranks, *sorted(s.ranks for s in sides[1:]))]
         apart = f"{'; '.join(words[:-1])} and {words[-1]} hold {len(sides)} different states"
     else:
         apart = f"{_ranks_word(ref.ranks)} and {_ranks_word(odd.ranks)} differ"
