@@ -986,6 +986,10 @@ def test_four_ranks_in_three_states_name_every_group_and_show_a_shared_stack_onc
             s["ranks"] for s in f["sides"]
         ] == [[0, 3], [2], [1]], f["sides"]
         assert "ranks 0,3; rank 1 and rank 2 hold 3 different states before " in f["message"]
+        # The cause is told of the divergent side, and of the third one too.
+        (odd,) = f["sides"][1]["ranks"]
+        assert f["cause"].startswith(f"rank {odd}: default cpu changed outside"), f["cause"]
+        assert f["cause"].endswith(f". The same on rank {3 - odd}"), f["cause"]
     _rendered_once(results, 0)
     plain, rich = results[0]["rendered"], results[0]["rich"]
     assert plain.count("stack (most recent call last):") == 1, plain
@@ -1000,6 +1004,7 @@ def test_four_ranks_in_four_states_are_each_on_their_own(four: Any) -> None:
         f = _only(r)
         assert sorted(s["ranks"] for s in f["sides"]) == [[0], [1], [2], [3]], f["sides"]
         assert "ranks 0-3 each hold a different state before aten.bernoulli_" in f["message"]
+        assert f["cause"].endswith(". The same on ranks 2-3"), f["cause"]  # (0: the reference)
     _rendered_once(results, 0)
     assert results[0]["rendered"].count("stack (most recent call last):") == 1
     assert results[0]["rendered"].count(": the same stack as ") == 3

@@ -717,6 +717,31 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
 )
 
 
+def _state_cause(evidence: _StateEvidence, others: Sequence[Side]) -> str:
+    """The cause, told of the divergent side; a cause told as what those ranks did also says
+    which other sides (ranks in a third state or more) it fits, or what fits them instead."""
+    row = next(c for c in STATE_CAUSES if c.when(evidence))
+    text = row.says(evidence)
+    if not others or not text.startswith(_ranks_word(evidence.odd.ranks)):
+        return text  # (a cause of every rank's: a split, seeds, the op's own arguments)
+    alike: list[int] = []
+    apart: list[str] = []
+    for side in others:
+        theirs = replace(evidence, odd=side)
+        other = next(c for c in STATE_CAUSES if c.when(theirs))
+        if other is row:
+            alike += side.ranks
+        else:
+            apart.append(f"on {_ranks_word(side.ranks)}, {other.name}")
+    text = text.rstrip(".")
+    if alike:
+        text += f". The same on {_ranks_word(sorted(alike))}"
+    if apart:
+        told = "; ".join(apart)
+        text += f". {told[0].upper()}{told[1:]}"
+    return text
+
+
 def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, Detail]) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     before_differs = len({e.before for e in evs.values()}) > 1
@@ -740,7 +765,7 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     assert ev is not None and ref.event is not None
     gen = ev.generator.label
     evidence = _StateEvidence(before_differs, ref, odd, gen, seeds, details)
-    cause = next(c.says(evidence) for c in STATE_CAUSES if c.when(evidence))
+    cause = _state_cause(evidence, sides[2:])
     what = "before" if before_differs else "after"
     if len(sides) > 2 and all(len(s.ranks) == 1 for s in sides):
         apart = f"{_ranks_word(sorted(evs))} each hold a different state"
