@@ -20,7 +20,7 @@ import statistics
 import sys
 from typing import Any
 
-from .common import CLOCKS, SAMPLE_EVERY, amortised, block_value
+from .common import CLOCKS, SAMPLE_EVERY, Timings, amortised
 
 __all__ = ["interval", "main"]
 
@@ -36,15 +36,10 @@ def interval(
 ) -> dict[str, float]:
     """One model's bootstrap on ``clock`` (its samples as ``--json`` writes them: clock -> mode
     -> rounds of step times; each round's block summed up by ``per_block``, as the run did)."""
-    per_mode = samples[clock]
-    rounds = len(per_mode["plain"])
-
-    def ratio(mode: str, i: int) -> float:
-        ours, plain = per_mode[mode][i], per_mode["plain"][i]
-        return block_value(ours, per_block) / block_value(plain, per_block)
-
-    between = [ratio("rngcheck-step", i) for i in range(rounds)]
-    op = [ratio("rngcheck", i) for i in range(rounds)]
+    timings = Timings(samples, per_block)
+    between = timings.ratios("rngcheck-step", "plain", clock)
+    op = timings.ratios("rngcheck", "plain", clock)
+    rounds = len(between)
     rows = [amortised(b, o) for b, o in zip(between, op, strict=True)]
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(rows, k=rounds)) for _ in range(draws))

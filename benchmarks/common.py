@@ -216,14 +216,15 @@ class Timings:
             return statistics.median(map(self.block, blocks))
         return statistics.median(t for block in blocks for t in block)
 
-    def ratio(self, name: str, base: str, clock: str = "wall") -> float:
-        """Median over rounds of (this mode's block / base's block, each summed up by
-        ``per_block``): paired, so a burst of load from other processes moves both sides of
-        most ratios together."""
+    def ratios(self, name: str, base: str, clock: str = "wall") -> list[float]:
+        """Per round, this mode's block / base's block, each summed up by ``per_block``."""
         ours, theirs = self.samples[clock][name], self.samples[clock][base]
-        return statistics.median(
-            self.block(a) / self.block(b) for a, b in zip(ours, theirs, strict=True)
-        )
+        return [self.block(a) / self.block(b) for a, b in zip(ours, theirs, strict=True)]
+
+    def ratio(self, name: str, base: str, clock: str = "wall") -> float:
+        """Median over rounds of :meth:`ratios`: paired, so a burst of load from other
+        processes moves both sides of most ratios together."""
+        return statistics.median(self.ratios(name, base, clock))
 
 
 def block_value(times: list[float], per_block: str) -> float:

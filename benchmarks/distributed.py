@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rngcheck.ranks.step_digest import STEPS_PER_ROUND
+
 from .common import (
     CLOCKS,
     GPT2,
@@ -44,11 +46,6 @@ from .common import (
     ratio_table,
 )
 from .gpt2 import make_gpt2_step
-
-try:
-    from rngcheck.ranks.step_digest import STEPS_PER_ROUND
-except ImportError:  # (an rngcheck without the step level: its modes are skipped anyway)
-    STEPS_PER_ROUND = 32
 
 __all__ = [
     "budgets",
@@ -298,8 +295,7 @@ def payload_check(result: dict[str, Any]) -> str:
 
 
 def timing_table(result: dict[str, Any]) -> str:
-    timing = _timings(result)
-    results = dict(timing)
+    results = _timings(result)
     names = results[next(iter(results))].modes
     labels = {n: MODES[n].label for n in names}
     return ratio_table("mode (2 ranks, DDP over gloo)", labels, results, Focus.base(tuple(names)))

@@ -717,18 +717,21 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
 )
 
 
+def _cause_row(evidence: _StateEvidence) -> _StateCause:
+    return next(c for c in STATE_CAUSES if c.when(evidence))
+
+
 def _state_cause(evidence: _StateEvidence, others: Sequence[Side]) -> str:
     """The cause, told of the divergent side; a cause told as what those ranks did also says
     which other sides (ranks in a third state or more) it fits, or what fits them instead."""
-    row = next(c for c in STATE_CAUSES if c.when(evidence))
+    row = _cause_row(evidence)
     text = row.says(evidence)
     if not others or not text.startswith(_ranks_word(evidence.odd.ranks)):
         return text  # (a cause of every rank's: a split, seeds, the op's own arguments)
     alike: list[int] = []
     apart: list[str] = []
     for side in others:
-        theirs = replace(evidence, odd=side)
-        other = next(c for c in STATE_CAUSES if c.when(theirs))
+        other = _cause_row(replace(evidence, odd=side))
         if other is row:
             alike += side.ranks
         else:
