@@ -361,6 +361,113 @@ def ddp_replicated_generator_used_with_per_rank_lengths(rank: int, world: int) -
     return _summary(mode)
 
 
+def _draw_noise(like: torch.Tensor) -> torch.Tensor:
+    return torch.randn_like(like)  # (one helper for several callers)
+
+
+def _noise_over_own_shapes(
+    rank: int, steps: int, wrap: bool = True, after: Any = None, checked: bool = True, **mode: Any
+) -> tuple[dict[str, Any], str]:
+    """A diffusion model's training step over aspect-ratio buckets (the shape of diffusers'
+    examples): each rank's batch has its own shape, and the loop draws the noise for it and the
+    timesteps from the default generator, seeded alike on every rank, outside the model. Under
+    DDP (``wrap``), else with gradients averaged by hand. ``after(step)`` runs after each step.
+    Returns the summary (``checked``: under a mode made with ``mode``) and a digest of the
+    parameters trained."""
+    import hashlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(42)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Dropout(0.1), torch.nn.Conv2d(4, 2, 1)
+    )
+    buckets = [(4, 4), (4, 6), (6, 4)]
+    with _mode(**mode) if checked else contextlib.nullcontext() as m:
+        model = DDP(net) if wrap else net
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            h, w = buckets[(rank + step) % len(buckets)]  # this rank's bucket this step
+            latents = torch.linspace(-1, 1, 2 * 2 * h * w).view(2, 2, h, w) * (1 + rank)
+            noise = _draw_noise(latents)  # drawn for this rank's own batch
+            t = torch.randint(0, 1000, (latents.shape[0],)).view(-1, 1, 1, 1) / 1000
+            loss = (model(latents * (1 - t) + noise * t) - noise).pow(2).mean()
+            loss.backward()
+            if not wrap:
+                for p in net.parameters():
+                    torch.distributed.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+            if after is not None:
+                after(step)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
+    return (_summary(m) if m is not None else {}), digest.hexdigest()
+
+
+def ddp_noise_over_each_ranks_own_shapes(rank: int, world: int) -> dict[str, Any]:
+    """Correct: the noise and timesteps of each rank's own batch (Rule 9). Also the parameters'
+    digest, and the same training's without rngcheck."""
+    summary, digest = _noise_over_own_shapes(rank, 4)
+    _, plain = _noise_over_own_shapes(rank, 4, checked=False)
+    return {**summary, "digest": digest, "plain": plain}
+
+
+def ddp_noise_over_each_ranks_own_shapes_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    summary, _ = _noise_over_own_shapes(rank, 12, level="step", sample_every=5)
+    return summary
+
+
+def ddp_noise_over_own_shapes_then_one_rank_draws_extra(rank: int, world: int) -> dict[str, Any]:
+    """The bug after Rule 9's line: rank 1 draws once more, in the loop, at the second step."""
+
+    def extra(step: int) -> None:
+        if rank == 1 and step == 1:
+            torch.rand(1)
+
+    return _noise_over_own_shapes(rank, 3, after=extra)[0]
+
+
+def ddp_noise_over_own_shapes_then_rank0_draws_for_its_logs(
+    rank: int, world: int
+) -> dict[str, Any]:
+    """The bug after Rule 9's line: rank 0 alone draws through the same helper, from another
+    line, at the second step (a sample for its logs)."""
+
+    def logs(step: int) -> None:
+        if rank == 0 and step == 1:
+            _draw_noise(torch.zeros(3))
+
+    return _noise_over_own_shapes(rank, 3, after=logs)[0]
+
+
+def ddp_noise_over_own_shapes_then_one_rank_reseeds(rank: int, world: int) -> dict[str, Any]:
+    """The bug after Rule 9's line: rank 1 alone reseeds the default generator after the first
+    step, and its next draw is at that line."""
+
+    def reseed(step: int) -> None:
+        if rank == 1 and step == 0:
+            torch.manual_seed(99)
+
+    return _noise_over_own_shapes(rank, 3, after=reseed)[0]
+
+
+def ddp_noise_over_own_shapes_then_a_data_split(rank: int, world: int) -> dict[str, Any]:
+    """The bug after Rule 9's line: the script splits its data from the generator the noise moved
+    apart (Rule 5 compares the split by state)."""
+
+    def split(step: int) -> None:
+        if step == 1:
+            torch.utils.data.random_split(list(range(10)), [0.8, 0.2])
+
+    return _noise_over_own_shapes(rank, 2, after=split)[0]
+
+
+def hand_written_allreduce_noise_over_own_shapes(rank: int, world: int) -> dict[str, Any]:
+    """No data-parallel wrapper is known (gradients averaged by hand): Rule 9 does not apply,
+    and the noise drawn with each rank's own arguments stays a finding."""
+    return _noise_over_own_shapes(rank, 2, wrap=False)[0]
+
+
 def _ddp_padded_batches_epochs(rank: int, epochs: int = 2) -> torch.nn.Module:
     """DDP over a model with dropout, fed by a DataLoader whose batches each rank pads to its
     own longest sequence (dynamic padding, as Hugging Face's collators do): the forward's
@@ -1119,6 +1226,13 @@ SCENARIOS = [
     "ddp_per_rank_generator_extra_draw",
     "ddp_seed_plus_rank_crops_on_the_default_generator",
     "ddp_replicated_generator_used_with_per_rank_lengths",
+    "ddp_noise_over_each_ranks_own_shapes",
+    "ddp_noise_over_each_ranks_own_shapes_at_the_step_level",
+    "ddp_noise_over_own_shapes_then_one_rank_draws_extra",
+    "ddp_noise_over_own_shapes_then_a_data_split",
+    "ddp_noise_over_own_shapes_then_rank0_draws_for_its_logs",
+    "ddp_noise_over_own_shapes_then_one_rank_reseeds",
+    "hand_written_allreduce_noise_over_own_shapes",
     "ddp_dynamic_padding_under_dropout",
     "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
     "ddp_one_rank_reseeds_mid_training",
@@ -1537,6 +1651,78 @@ def test_a_random_op_of_the_reading_rank_outside_the_reading_is_still_found(two:
         assert f["kind"] == "rank_divergence" and f["op"] == "aten.rand.default", f
         assert "rank 0 ran an extra random op" in f["cause"], f["cause"]
         assert [len(epoch) for epoch in r["seen"]] == [4, 2], r["seen"]  # its first step
+
+
+def test_noise_drawn_for_each_ranks_own_batch_shape_is_the_ranks_own(two: Any) -> None:
+    """Rule 9: a diffusion model's noise over each rank's own bucket shape, drawn in the loop
+    from the default generator seeded alike, stopped correct training ("the ranks ran
+    aten.randn_like.default ... with different arguments"); it is each rank's own, the note
+    says so and what that leaves compared, and the training is bitwise the same as without
+    rngcheck. At the step level too."""
+    for name in (
+        "ddp_noise_over_each_ranks_own_shapes",
+        "ddp_noise_over_each_ranks_own_shapes_at_the_step_level",
+    ):
+        for rank, r in _results(two, name).items():
+            assert r["findings"] == [], (name, rank, r["findings"])
+            text = "\n".join(r["notes"])
+            assert "drawn at test_data_parallel.py:" in text, (name, text)
+            assert "from a default generator with arguments of each rank's own" in text, text
+            assert (
+                "not compared by state: default cpu after the ranks drew different amounts from "
+                "it at test_data_parallel.py:"
+            ) in text, text
+            assert "aten.randn_like.default with arguments of each rank's own" in text, text
+    for rank, r in _results(two, "ddp_noise_over_each_ranks_own_shapes").items():
+        assert r["digest"] == r["plain"], rank
+        assert "float32[2, 2, 4, 4] on rank 0; float32[2, 2, 4, 6] on rank 1" in "\n".join(
+            r["notes"]
+        )
+
+
+def test_after_rule_9_an_extra_draw_and_a_split_are_still_found(two: Any) -> None:
+    """What Rule 9 leaves compared: the ops the ranks run (one rank drawing once more) and, by
+    state, a split of the data from the generator the noise moved apart (its cause says so)."""
+    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_one_rank_draws_extra").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["cause"].startswith("rank 1 ran an extra random op, aten.rand.default"), f
+    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_a_data_split").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["op"] == "aten.randperm.generator", f
+        assert (
+            "Why default cpu differs: the ranks drew different amounts from it at " in (f["cause"])
+        ), f["cause"]
+        assert "aten.randn_like.default with arguments of each rank's own" in f["cause"]
+
+
+def test_after_rule_9_a_helpers_other_caller_and_a_reseed_alone_are_found(two: Any) -> None:
+    """Rule 9 knows a line by its caller's frames too: rank 0 drawing through the noise helper
+    from another line, for its logs, is an extra op. A rank that reseeds alone is found at its
+    next draw, on the rule's own line, with the seeding call in the cause."""
+    name = "ddp_noise_over_own_shapes_then_rank0_draws_for_its_logs"
+    for rank, r in _results(two, name).items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        cause = r["findings"][0]["cause"]
+        assert cause.startswith("rank 0 ran an extra random op, aten.randn_like.default"), cause
+    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_one_rank_reseeds").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        cause = r["findings"][0]["cause"]
+        assert cause.startswith("rank 1 ran an extra random op, aten.randn_like.default"), cause
+        assert "On rank 1 it comes right after torch.manual_seed(99) at test_data_parallel" in (
+            cause
+        ), cause
+
+
+def test_noise_over_own_shapes_without_a_known_wrapper_is_found(two: Any) -> None:
+    """Rule 9 needs a data-parallel wrapper: with gradients averaged by hand nothing says the
+    ranks train on their own batches, and the different arguments stay a finding."""
+    for rank, r in _results(two, "hand_written_allreduce_noise_over_own_shapes").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["message"].startswith("the ranks ran aten.randn_like.default at "), f
+        assert "with different arguments" in f["message"], f
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:

@@ -4,13 +4,14 @@ on every rank after a mismatch, so plain data in, plain data out is all they nee
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
 import rngcheck
-from rngcheck.core.events import Phase, RandomOpEvent
+from rngcheck.core.events import OutOfBandChange, Phase, RandomOpEvent, SeedCall
 from rngcheck.core.findings import FindingKind
 from rngcheck.core.generators import GeneratorId
 from rngcheck.core.stacks import Frame, Stack
@@ -266,6 +267,55 @@ def test_a_per_rank_stream_may_draw_per_rank_arguments_but_ranks_seeded_alike_mu
     assert per_rank_seeding(state, apart) is None
     declared = Spot("flow", 0, policy=3)  # an expect(...) block or a DTensor mesh: as declared
     assert per_rank_seeding(declared, crops) is None
+
+
+def test_rule_9_a_default_generator_drawing_each_ranks_own_arguments() -> None:
+    """Rule 9 is decided from the gathered details alone: the same op at the same line on a
+    default generator seeded alike, with each rank's own arguments, in a data-parallel program
+    whose wrappers have no tensor-parallel peers; nothing else."""
+    from rngcheck.ranks.findings import own_arguments
+    from rngcheck.ranks.localise import Spot
+
+    ddp = ["DistributedDataParallel over ranks 0-1"]
+
+    def details(
+        shapes: tuple[str, ...] = ("float32[2, 4, 8, 8]", "float32[2, 4, 8, 12]"),
+        user: bool = False,
+        seeds: tuple[int, int] = (42, 42),
+        **detail: Any,
+    ) -> dict[int, Detail]:
+        out = {}
+        for r in range(2):
+            event = _event(5, "aten.randn_like.default", ("train.py", 19))
+            event["args"], event["seed"] = [shapes[r]], seeds[r]
+            if user:
+                event["generator"] = _seeded(5, ())["generator"]
+            out[r] = Detail.from_dict({"event": event, "point": "x", "wrappers": ddp, **detail})
+        return out
+
+    flow = Spot("flow", 0, policy=1)
+    own = own_arguments(flow, details())
+    assert own is not None and own[0].op == "aten.randn_like.default"
+    assert own[1] == (
+        "the ranks drew different amounts from it at train.py:19, aten.randn_like.default with "
+        "arguments of each rank's own (float32[2, 4, 8, 8] on rank 0; float32[2, 4, 8, 12] on "
+        "rank 1)"
+    )
+    assert own_arguments(flow, details(("float32[2]", "float32[2]"))) is None  # the same call
+    assert own_arguments(flow, details(user=True)) is None  # a stream seeded alike on purpose
+    assert own_arguments(flow, details(seeds=(42, 43))) is None  # seeded per rank: Rule 3's
+    assert own_arguments(flow, details(wrappers=[])) is None  # no data-parallel wrapper known
+    assert own_arguments(flow, details(peers=True)) is None  # tensor-parallel peers share a batch
+    assert own_arguments(flow, details(order="torch's random_split")) is None  # Rule 5
+    assert own_arguments(Spot("flow", 0, policy=3), details()) is None  # declared: as declared
+    assert own_arguments(Spot("state", 0, stream=7, policy=1), details()) is None
+    reseeded = details()
+    event = reseeded[1].event
+    assert event is not None
+    call = SeedCall(api="torch.manual_seed", argument="7", stack=Stack.empty())
+    moved = replace(event, out_of_band=OutOfBandChange(calls=(call,)))
+    reseeded[1] = replace(reseeded[1], event=moved)
+    assert own_arguments(flow, reseeded) is None  # a user's seeding call on one rank first
 
 
 def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() -> None:

@@ -47,6 +47,7 @@ from .findings import (
     DISPATCHED_WHY,
     GATHERED_WHY,
     GENERATE_WHY,
+    OWN_ARGUMENTS_WHY,
     SAMPLED_WHY,
     SHARE_WHY,
     Detail,
@@ -54,10 +55,13 @@ from .findings import (
     build_finding,
     data_parallel_drift,
     init_finding,
+    line_key,
     missing_finding,
+    own_arguments,
     pass_order_finding,
     per_rank_seeding,
     point_text,
+    reseeded_by_user,
 )
 from .groups import GroupResolver, op_mesh
 from .localise import localise
@@ -215,7 +219,8 @@ class RankChecker:
         # ZeRO-3 broadcasts from it (data_parallel.py) are not compared; Rule 7, nor those of a
         # rank loading its own share of the data (data_reading.py); Rule 8, what a generate()
         # call on a model no wrapper wraps samples (the call itself is compared, by its first
-        # op's place and the state it starts from).
+        # op's place and the state it starts from); Rule 9, nor what a line draws from a default
+        # generator with each rank's own arguments (findings.own_arguments), once seen so.
         self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
@@ -233,6 +238,10 @@ class RankChecker:
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
+        # Rule 9: (generator, op) -> the lines that draw it with each rank's own arguments (as
+        # findings.line_key gives them), and line -> the ops drawn there
+        self._own_lines: dict[tuple[str, str], set[tuple[tuple[str, int], ...]]] = {}
+        self._own_drawn: dict[str, int] = {}
         self._sampled: dict[str, int] = {}  # model class -> ops of its generate() calls, uncompared
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
@@ -560,9 +569,24 @@ class RankChecker:
         if reading.share and not (declared or order):  # Rule 7
             self._shares[reading.share] = self._shares.get(reading.share, 0) + 1
             return _Judged(f"{SHARE_WHY}{reading.share}", "", "")
+        if self._own_lines and not (declared or order):
+            own = self._own_line(event)
+            if own:  # Rule 9: a line that draws with each rank's own arguments
+                self._own_drawn[own] = self._own_drawn.get(own, 0) + 1
+                return _Judged(f"{OWN_ARGUMENTS_WHY}{own}", "", "")
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return _Judged("on a per-rank stream", "", "")
         return _Judged("", order, "") if order else _COMPARED
+
+    def _own_line(self, event: RandomOpEvent) -> str:
+        """Rule 9: the line (``file.py:12``) of an op drawn where the ranks drew that op from its
+        generator with arguments of their own, as learnt at an exchange; "" for any other op,
+        and for one that a user's seeding call reached first (compared: a rank that reseeds or
+        restores alone there is found)."""
+        lines = self._own_lines.get((gen_key(event), event.op))
+        if lines is None or reseeded_by_user(event) or line_key(event) not in lines:
+            return ""
+        return event.site
 
     def _dtensor(self, event: RandomOpEvent, mesh: Any) -> _Judged:
         """A DTensor random op: compared over its mesh, in the group's order; but inside a
@@ -802,6 +826,14 @@ class RankChecker:
                     "the rank's own samples: each rank draws for its own batch)."
                 ),
             ),
+            *_counted(
+                self._own_drawn,
+                lambda line: (
+                    f"random op(s) drawn at {line} from a default generator with arguments of "
+                    "each rank's own (the ranks drew there for their own batch shapes, in a "
+                    "data-parallel program: each rank draws for its own batch)."
+                ),
+            ),
         ]
         out.extend(
             Note(
@@ -1002,6 +1034,7 @@ class RankChecker:
                 else "",
                 order=sent.orders.get(index, "") if not init else "",
                 call=sent.calls.get(index, "") if not init else "",
+                peers=any(self._peers_of(w) for w in self._dp.wrappers),
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
@@ -1027,6 +1060,23 @@ class RankChecker:
             seeded = per_rank_seeding(spot, details)
             if seeded is None:
                 drift = data_parallel_drift(spot, details)
+                own = None if drift is not None else own_arguments(spot, details)
+                if own is not None:
+                    # Rule 9: this line's draws from the generator are each rank's own from
+                    # here, and the generator is in the wake (below); this round's op there
+                    # leaves the comparison on every rank.
+                    event_o = details[self.rank].event  # (own_arguments: every rank has one)
+                    assert event_o is not None
+                    line = (gen_key(event_o), event_o.op)
+                    self._own_lines.setdefault(line, set()).add(line_key(event_o))
+                    self._own_drawn[event_o.site] = self._own_drawn.get(event_o.site, 0) + 1
+                    common = text_hash(*line, "own arguments")
+                    for r, w in windows.items():
+                        pos = spot.index_for(r, view[r])
+                        if pos < len(kept[r]):
+                            i = kept[r][pos]
+                            w[i] = w[i]._replace(structure=common, before=0, after=0)
+                    drift = own
                 if drift is None:
                     return finding
                 # Rule 2's wake (and Rules 6 and 7's): from here this generator is compared by what

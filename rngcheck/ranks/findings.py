@@ -24,14 +24,18 @@ __all__ = [
     "GENERATE_WHY",
     "GATHERED_WHY",
     "SAMPLED_WHY",
+    "OWN_ARGUMENTS_WHY",
     "SHARE_WHY",
     "build_finding",
     "data_parallel_drift",
     "init_finding",
     "missing_finding",
+    "own_arguments",
     "pass_order_finding",
     "per_rank_seeding",
     "point_text",
+    "line_key",
+    "reseeded_by_user",
 ]
 
 _DATA_DIR = "/torch/utils/data/"
@@ -74,6 +78,9 @@ class Detail:
     # Why this op was compared as the generate() call it began (Rule 8: SAMPLED_WHY and the
     # model), not as itself; "" for any other op.
     call: str = ""
+    # Whether a data-parallel wrapper this rank knows has tensor-parallel peers (ranks that
+    # compute on this rank's batch: what it draws for that batch must agree among them).
+    peers: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +92,7 @@ class Detail:
             "drifted": self.drifted,
             "order": self.order,
             "call": self.call,
+            "peers": self.peers,
         }
 
     @classmethod
@@ -99,6 +107,7 @@ class Detail:
             drifted=str(data.get("drifted", "")),
             order=str(data.get("order", "")),
             call=str(data.get("call", "")),
+            peers=bool(data.get("peers", False)),
         )
 
 
@@ -262,6 +271,14 @@ def _flow_finding(
                 "only, which shifts every later random op from it there: split on every rank, "
                 "or give random_split a generator of its own (generator=torch.Generator()"
                 ".manual_seed(seed))"
+            )
+        elif reseeded_by_user(ev) and ev.out_of_band is not None:
+            # (a rank that reseeds or restores alone: its next draw is compared, also at a line
+            # whose draws are each rank's own, Rule 9, where the others' are not)
+            cause += (
+                f". On {_ranks_word(extra_side)} it comes right after "
+                f"{ev.out_of_band.describe()}: a generator reseeded or restored on some ranks "
+                "only draws apart from there; seed (or restore) it alike on every rank"
             )
         elif any(_DATA_DIR in f.filename for f in ev.stack.frames):
             cause += (
@@ -852,7 +869,7 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     seeds = {r: e.seed for r, e in evs.items()}
     if len(evs) < 2 or None in seeds.values() or len(set(seeds.values())) < 2:
         return None
-    if 0 < len([e for e in evs.values() if _reseeded_by_user(e)]) < len(evs):
+    if 0 < len([e for e in evs.values() if reseeded_by_user(e)]) < len(evs):
         return None  # some ranks reseeded it just now, the others did not: that is the bug
     by_seed = _groups(seeds)
     # Ranks seeded alike (seed + data-parallel rank under tensor parallelism) must still agree
@@ -868,7 +885,7 @@ def per_rank_seeding(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEv
     return first, why + (f"; {sites})" if sites else ")")
 
 
-def _reseeded_by_user(event: RandomOpEvent) -> bool:
+def reseeded_by_user(event: RandomOpEvent) -> bool:
     """The user's seeding call (or a reseed of a user generator) changed the generator since
     its last random op."""
     oob = event.out_of_band
@@ -880,6 +897,8 @@ DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
 GENERATE_WHY = "in generate() of the module wrapped by "  # ... Rule 2's, sampling
 SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7's
 SAMPLED_WHY = "in a generate() call of "  # ... and Rule 8's (a model no wrapper wraps)
+# ... and Rule 9's (followed by the line)
+OWN_ARGUMENTS_WHY = "drawn with each rank's own arguments at "
 # ... and ZeRO-3's GatheredParameters(modifier_rank=r) (followed by r, on every rank)
 GATHERED_WHY = "inside a deepspeed GatheredParameters region broadcast by rank "
 
@@ -911,7 +930,7 @@ def _moved_apart(details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None
     restored = _restored_per_rank(evs, details)
     if restored:
         return first, restored
-    if any(_reseeded_by_user(e) for e in evs.values()):
+    if any(reseeded_by_user(e) for e in evs.values()):
         return None
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
@@ -938,6 +957,42 @@ def _moved_apart(details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None
 
 
 _DREW_APART = "the ranks drew different amounts from it"
+
+_LINE_FRAMES = 4  # the user's frames that tell one line of Rule 9 from another
+
+
+def line_key(event: RandomOpEvent) -> tuple[tuple[str, int], ...]:
+    """Where an op was drawn, for Rule 9: its innermost user frames (file and line), so a
+    helper that draws for several callers is as many lines as it has callers."""
+    return tuple((f.filename, f.lineno) for f in event.stack.user_frames[-_LINE_FRAMES:])
+
+
+def own_arguments(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None:
+    """Rule 9: when the ranks ran the same op at the same line on a device's default generator,
+    seeded alike, with arguments of their own (noise over each rank's own batch shape: a
+    diffusion model's aspect-ratio buckets, dynamic padding), in a data-parallel program whose
+    ranks each compute on their own batch, that op (one rank's event of it) and how the ranks
+    moved its generator apart, in words; else None. Each rank drew for its own batch there, as
+    in a data-parallel forward (Rule 2). Not on a torch.Generator of the user's seeded alike (a
+    stream made to agree), nor where a wrapper has tensor-parallel peers (they share a batch),
+    an order split among the ranks (Rule 5), a generate() call (Rule 8), or after a user's
+    seeding call on some rank. Decided from the gathered details only (P5)."""
+    if spot.kind != "flow" or spot.policy != POLICY_CODE["same"] or _splits_an_order(details):
+        return None
+    if any(d.event is None or d.call or d.peers or not d.wrappers for d in details.values()):
+        return None
+    evs = {r: d.event for r, d in details.items() if d.event is not None}
+    calls = {(e.op, e.site, gen_key(e)) for e in evs.values()}
+    args = {e.args for e in evs.values()}
+    first = evs[min(evs)]
+    if len(evs) < 2 or len(calls) > 1 or len(args) < 2 or not first.generator.is_default:
+        return None
+    if not _seeded_alike(evs.values()) or any(reseeded_by_user(e) for e in evs.values()):
+        return None
+    groups = _groups({r: e.args for r, e in evs.items()})
+    drawn = "; ".join(f"{', '.join(evs[g[0]].args)} on {_ranks_word(g)}" for g in groups)
+    own = f"{first.op} with arguments of each rank's own ({drawn})"
+    return first, f"{_DREW_APART} at {first.site}, {own}"
 
 
 def _alone_phrase(rank: int, why: str) -> str:
@@ -972,6 +1027,8 @@ def _own_batch(why: str) -> str:
             f"while each loaded its own share of the data, split by {split} (a dataset's or "
             "collator's draws over each rank's own samples)"
         )
+    if why.startswith(OWN_ARGUMENTS_WHY):
+        return f"at {why.removeprefix(OWN_ARGUMENTS_WHY)}, with arguments of each rank's own"
     return ""
 
 
