@@ -201,6 +201,7 @@ class RNGConsistencyMode:
         self._step_hook: Any = None
         self._ranks: Any = None
         self._trace: TraceFeed | None = None
+        self._ended_by: BaseException | None = None  # what ended the block (at __exit__)
         self._xla: Any = None  # torch_xla's checkpoint patch, once torch_xla is imported
         self._xla_loaded = False
         self._entered = False
@@ -288,6 +289,7 @@ class RNGConsistencyMode:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._ended_by = exc
         try:
             if self._interceptor is not None:
                 self._interceptor.__exit__(exc_type, exc, tb)
@@ -312,7 +314,7 @@ class RNGConsistencyMode:
                 self._passes.uninstall()
                 self._passes = None
             if self._ranks is not None:
-                self._ranks.close()
+                self._ranks.close(self._ended_by)
             if self.recompute_tracker is not None:
                 self.recompute_tracker.uninstall()
             if self._step_hook is not None:

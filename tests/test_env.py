@@ -560,3 +560,122 @@ def test_a_group_made_by_init_device_mesh_is_bound_too(tmp_path: Path) -> None:
     report = Report.load(tmp_path / "rank0.json")
     assert report.meta["process_group"]["world_size"] == 2
     assert report.meta["ended_by"] == "destroy_process_group()"  # the final exchange found it
+
+
+# -- ranks a script starts itself --------------------------------------------------------------
+
+
+def _spawned(out: Path, start: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """tests/scripts/train_spawned.py: the script starts its two ranks itself (``start``)."""
+    out.mkdir()
+    for _ in range(2):  # (again once after gloo's abort at exit: _dist.EXIT_ABORT)
+        script = [PYTHON, str(SCRIPTS / "train_spawned.py"), str(_free_port()), str(out)]
+        r = _run(script, START=start, **env)
+        if not aborted_at_exit(r, 2):
+            break
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("start", "reports_to", "launcher_draws"),
+    [("spawn", "reports", False), ("forkserver", "", False), ("process", "reports", True)],
+)
+def test_ranks_a_script_starts_itself_are_checked_and_train_unchanged(
+    tmp_path: Path, start: str, reports_to: str, launcher_draws: bool
+) -> None:
+    # PyTorch's DDP tutorial runs `python script.py`, and the script starts its ranks with
+    # torch.multiprocessing.spawn (or multiprocessing.Process). Before, RNGCHECK=1 checked the
+    # script's own process alone ("0 random op(s) checked, no findings") and no rank at all.
+    from rngcheck.cli import main as cli_main
+
+    env = {"RNGCHECK": "1"}
+    reports = tmp_path / "reports"
+    if reports_to:
+        env["RNGCHECK_REPORT"] = str(reports)
+    if launcher_draws:  # the launching process draws a random op of its own first
+        env["LAUNCHER_DRAWS"] = "1"
+    r = _spawned(tmp_path / "on", start, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("training finished") == 2
+    assert r.stderr.count("rngcheck: checking random ops across ranks 0-1") == 1, r.stderr
+    assert r.stderr.count("random op(s) checked on rank 0 of 2, no findings") == 1, r.stderr
+    # The launching process saves no report over rank 0's; it says nothing at exit unless it
+    # checked something itself, and then as what it is, a run of its own beside the ranks'.
+    mine = "rngcheck: 1 random op(s) checked, no findings in the process that started the ranks"
+    assert (mine in r.stderr) == launcher_draws, r.stderr[-3000:]
+    assert ("random op(s) checked, no findings" in r.stderr) == launcher_draws, r.stderr
+    launchers = ["launcher.json"] if launcher_draws else []
+    if reports_to:
+        assert sorted(os.listdir(reports)) == [*launchers, "rank0.json", "rank1.json"]
+        saved = [Report.load(reports / f"rank{i}.json") for i in range(2)]
+        assert [(rep.rank, rep.world_size, rep.ok) for rep in saved] == [
+            (0, 2, True),
+            (1, 2, True),
+        ]
+        assert saved[0].meta["run_id"] == saved[1].meta["run_id"]
+        assert saved[0].meta["pid"] != saved[1].meta["pid"]
+        # Every random op of the ranks: the two Linears' init (before DDP's broadcast), then
+        # per step the input, dropout and the target.
+        assert all(rep.random_ops == 4 + 4 * 3 for rep in saved), [rep.ops_by_name for rep in saved]
+        if launcher_draws:
+            launcher = Report.load(reports / "launcher.json")
+            assert (launcher.world_size, launcher.random_ops) == (1, 1)
+            assert launcher.meta["run_id"] == f"{saved[0].meta['run_id']}-launcher"
+        assert cli_main(["show", str(reports)]) == 0  # (the launcher's, a run of its own, too)
+    plain = _spawned(tmp_path / "off", start, RNGCHECK="0")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for i in range(2):  # bitwise: the checker changed nothing
+        name = f"result{i}.json"
+        assert (tmp_path / "on" / name).read_text() == (tmp_path / "off" / name).read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_a_rank_a_script_starts_itself_that_draws_extra_is_found(
+    tmp_path: Path, start: str
+) -> None:
+    reports = tmp_path / "reports"
+    r = _spawned(tmp_path / "out", start, BUG="1", RNGCHECK="1", RNGCHECK_REPORT=str(reports))
+    assert r.returncode != 0
+    assert "training finished" not in r.stdout
+    extra = _line("train_spawned.py", "torch.rand(1)")
+    # Drawn by one rank, and in the launching process's traceback from the one that raised
+    # (torch.multiprocessing's join stops the other with SIGTERM).
+    assert f"rank 0 ran an extra random op, aten.rand.default on default cpu at {extra}" in (
+        r.stderr
+    ), r.stderr[-3000:]
+    # The rank that raised saved its report (a forkserver child leaves by os._exit, without
+    # atexit); the other may have been stopped before it could.
+    assert set(os.listdir(reports)) <= {"rank0.json", "rank1.json"}
+    saved = [Report.load(p) for p in reports.iterdir()]
+    assert any(f.site == extra for rep in saved for f in rep.findings), saved
+
+
+@pytest.mark.slow
+def test_a_rank_a_script_starts_itself_that_fails_ends_with_its_error_not_a_finding(
+    tmp_path: Path,
+) -> None:
+    # torch.multiprocessing turns the error into SystemExit(1) and the rank leaves through
+    # multiprocessing's exit function: a final exchange there would meet the other rank
+    # mid-step and report a divergence that is only the crash. The other rank reports it
+    # missing, with the error that ended it.
+    reports = tmp_path / "reports"
+    r = _spawned(tmp_path / "out", "spawn", CRASH="1", RNGCHECK="1", RNGCHECK_REPORT=str(reports))
+    assert r.returncode != 0
+    assert "diverged" not in r.stderr, r.stderr[-3000:]
+    assert "rank 0 left the checked block early (ValueError: rank 0 fails)" in r.stderr, r.stderr
+    failed = Report.load(reports / "rank0.json")
+    assert (failed.ok, failed.meta["ended_by"]) == (True, "ValueError: rank 0 fails")
+    other = Report.load(reports / "rank1.json")
+    assert [f.kind.value for f in other.findings] == ["rank_missing"]
+
+
+@pytest.mark.slow
+def test_ranks_started_with_fork_are_named_as_unchecked(tmp_path: Path) -> None:
+    # A forked rank inherits the launching process's checker, which switches itself off there
+    # (as in a DataLoader worker): each such rank says so, rather than a silent pass.
+    r = _spawned(tmp_path / "out", "fork", RNGCHECK="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    warning = "RNGCheckWarning: rngcheck does not check this rank: it was forked from a checked"
+    assert r.stderr.count(warning) == 2, r.stderr[-3000:]

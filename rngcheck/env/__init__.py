@@ -18,20 +18,22 @@ enters an :class:`~rngcheck.RNGConsistencyMode` and arranges for the rest:
   findings rendered there once (by the lowest rank involved).
 
 Which processes it starts in: the one running the user's script or module. Not in launchers
-(``torchrun``, ``python -m torch.distributed.run``), not in multiprocessing children
-(DataLoader workers, ``torch.multiprocessing.spawn``), not in pytest (``RNGCHECK=1 pytest`` turns
+(``torchrun``, ``python -m torch.distributed.run``), not in pytest (``RNGCHECK=1 pytest`` turns
 the plugin's ``--rngcheck`` on instead), not in the ``rngcheck`` CLI, and not in a python process
-started by an already checked one (its report would overwrite the parent's).
+started by an already checked one (its report would overwrite the parent's). A multiprocessing
+child of a checked process (``torch.multiprocessing.spawn``'s ranks, a DataLoader worker) is
+checked once it initialises the default process group, as a rank (spawned.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 
 from .activation import Activation
-from .process import skip_reason
+from .process import RANKS_VAR, may_become_a_rank, skip_reason
 from .variables import VARIABLES, EnvError, EnvSettings, settings_from_env
 
 __all__ = ["VARIABLES", "Activation", "EnvError", "EnvSettings", "activate", "settings_from_env"]
@@ -59,12 +61,19 @@ def _startup_hook() -> None:
         return
     _STARTED = True
     reason = skip_reason(os.environ)
-    if reason:
+    rank_to_be = bool(reason) and may_become_a_rank(os.environ)
+    if reason and not rank_to_be:
         log.debug("RNGCHECK is set, but this process is %s: not checking it", reason)
         return
     try:
         settings = settings_from_env()
-        if settings.enabled:
+        if not settings.enabled:
+            return
+        if rank_to_be:  # torch.multiprocessing.spawn's: checked once it is a rank
+            from .spawned import when_a_rank
+
+            when_a_rank(functools.partial(_start_as_rank, settings))
+        else:
             activate(settings)
     except Exception as e:  # noqa: BLE001 - a start-up failure must stop the run, loudly
         # Raising here would only print a warning from site.py and run the script unchecked.
@@ -72,3 +81,16 @@ def _startup_hook() -> None:
         sys.stderr.write(f"rngcheck: cannot start: {message}\n")
         sys.stderr.flush()
         os._exit(2)
+
+
+def _start_as_rank(settings: EnvSettings) -> None:
+    """A child that a checked process started with multiprocessing has just initialised the
+    default process group: check it from here, as a rank (unless the function it runs started
+    a mode of its own first)."""
+    from ..mode import active_mode
+    from .spawned import mark_rank
+
+    if active_mode() is None:
+        launcher = os.environ.get(RANKS_VAR)  # (the launcher's: activate() names this one's)
+        activate(settings)
+        mark_rank(launcher)

@@ -12,14 +12,17 @@ import datetime
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .process import OWNER_VAR, RUN_VAR, owner, run_id
+from . import spawned
+from .process import OWNER_VAR, RANKS_VAR, RUN_VAR, owner, run_id
 from .variables import EnvSettings
 
 __all__ = ["Activation"]
@@ -47,7 +50,13 @@ class Activation:
         )
         self.steps = 0
         self.bound = False
+        # Where the ranks this process starts itself (torch.multiprocessing.spawn) say they are
+        # ranks (spawned.py); whether any did, once known at the end
+        self.ranks_dir = spawned.ranks_dir()
+        self._launcher = False
+        self.forked = False  # a forked child of the checked process: switched off
         self.exited = False
+        self.finished = False
         self.signal: int | None = None
         self.stopped_by: BaseException | None = None  # the finding's error that ended the run
         self._saved_findings = 0
@@ -69,6 +78,7 @@ class Activation:
 
             self._step_hook = register_optimizer_step_post_hook(self._after_step)
             atexit.register(self.finish)
+            self._finish_as_child()
             os.register_at_fork(after_in_child=self._in_forked_child)
             self._install_signal_handler()
             # Kept after the checking ends: the last exchange (at destroy_process_group) can raise
@@ -81,7 +91,12 @@ class Activation:
             raise
         os.environ[OWNER_VAR] = owner(os.environ)
         os.environ[RUN_VAR] = self.mode.report.meta["run_id"]
-        if self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
+        os.environ[RANKS_VAR] = self.ranks_dir
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():  # started as the group came up
+            self.bind()  # (a rank that torch.multiprocessing.spawn started: spawned.py)
+        elif self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
             self._announce()
         return self
 
@@ -161,7 +176,11 @@ class Activation:
         """Start the cross-rank checks once torch.distributed is up (on every rank, together)."""
         import torch.distributed as dist
 
-        if self.exited or not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        if self.exited:
+            if self.forked:  # a rank forked from the checked process (start_method="fork")
+                self._warn_forked_rank()
             return
         report = self.mode.report
         report.rank, report.world_size = dist.get_rank(), dist.get_world_size()
@@ -179,7 +198,7 @@ class Activation:
         # Its place in the job is known now (a launcher that starts the other ranks from this
         # one, like Lightning's, sets it after start-up): a child started from here on at the
         # same place is this rank's helper, not another rank.
-        os.environ[OWNER_VAR] = owner(os.environ)
+        os.environ[OWNER_VAR] = owner(os.environ, report.rank)
         self._announce()
         # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
         # new findings are saved at that step.
@@ -187,6 +206,21 @@ class Activation:
 
         self._step_hook.remove()
         self._step_hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _warn_forked_rank(self) -> None:
+        from ..core.findings import RNGCheckWarning
+
+        self.forked = False  # once
+        warnings.warn(
+            "rngcheck does not check this rank: it was forked from a checked process (a "
+            "multiprocessing start method of 'fork', as in start_processes(start_method='fork') "
+            "or Lightning's ddp_fork), whose checker switches itself off in a forked child, as in "
+            "a DataLoader worker. Start the ranks with 'spawn' (torch.multiprocessing.spawn's "
+            "way) or 'forkserver' to have each checked, or start the mode in the function each "
+            "rank runs.",
+            RNGCheckWarning,
+            stacklevel=4,
+        )
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.exited:
@@ -216,6 +250,7 @@ class Activation:
         if self.exited:
             return
         self.exited = True
+        self.forked = True
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
 
         from ..core.dispatch import Interceptor
@@ -237,7 +272,7 @@ class Activation:
                 return
             self.signal = signum
             path = self.mode.config.report_path
-            if path:
+            if path and not self.launched_only:  # (a launcher's rank0.json is rank 0's)
                 self.mode.report.meta["ended_by"] = signal.Signals(signum).name
                 with contextlib.suppress(OSError):
                     self.mode.report.save(path)
@@ -281,6 +316,8 @@ class Activation:
                 return
             self.exited = True
         self.mode.report.meta.setdefault("ended_by", reason)  # what `rngcheck show` tells
+        if self.launched_only:
+            self._as_launcher()
         try:
             self.mode.__exit__(exc_type, exc, tb)
         finally:
@@ -291,11 +328,50 @@ class Activation:
                 undo()
             self._restore.clear()
 
+    @property
+    def launched_only(self) -> bool:
+        """Whether this process started ranks itself (``torch.multiprocessing.spawn``) and is
+        none of them: it never joined a process group, and a child of its did (spawned.py)."""
+        if not self._launcher:
+            self._launcher = not self.bound and spawned.ranks_started(self.ranks_dir)
+        return self._launcher
+
+    def _as_launcher(self) -> None:
+        """The ranks' files (``rank0.json``, ...) are theirs: this process keeps a report only
+        when it checked something itself, under ``launcher`` and as a run of its own."""
+        report = self.mode.report
+        if report.random_ops == 0 and not report.findings:
+            self.mode._move_outputs(None, None)
+            return
+        report.meta["run_id"] = f"{report.meta['run_id']}-launcher"
+        self.mode._move_outputs(*self.settings.launcher_paths())
+
+    def _finish_as_child(self) -> None:
+        """A rank that multiprocessing started (spawned.py) may leave by ``os._exit`` (a
+        ``forkserver`` child does) without running atexit: finish from multiprocessing's own
+        exit function as well, which every child of its runs."""
+        mp = sys.modules.get("multiprocessing")
+        if mp is not None and mp.parent_process() is not None:
+            from multiprocessing.util import Finalize
+
+            Finalize(None, self.finish, exitpriority=0)
+
     def finish(self) -> None:
         """At interpreter exit: end the mode (unless the script already did), then one line."""
         from ..core.findings import RNGCheckError
 
+        if self.finished:  # (a multiprocessing child: from its exit function, then atexit)
+            return
+        self.finished = True
         exc = getattr(sys, "last_value", None)
+        if exc is None:
+            # A rank that multiprocessing started finishes in its exit function, as the error
+            # its function raised (SystemExit(1) under torch.multiprocessing) is on its way.
+            exc = sys.exc_info()[1]
+            if isinstance(exc, SystemExit) and exc.code in (None, 0):
+                exc = None
+            elif isinstance(exc, SystemExit) and isinstance(exc.__context__, Exception):
+                exc = exc.__context__  # the function's own error, which torch's wrapper caught
         failed = False
         try:
             if exc is not None:
@@ -313,6 +389,7 @@ class Activation:
         except Exception as e:  # noqa: BLE001 - report the checker's own failure, keep the exit
             sys.stderr.write(f"rngcheck: could not finish checking: {type(e).__name__}: {e}\n")
         self._print_summary()
+        shutil.rmtree(self.ranks_dir, ignore_errors=True)  # (made by a rank it started, if any)
         if failed:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -328,10 +405,15 @@ class Activation:
                     print_finding(f, console=self.mode.console, world_size=report.world_size)
         if report.rank != 0 or self.stopped_by is not None:
             return
+        launcher = ""
+        if self.launched_only:  # each rank it started says its own line
+            if report.random_ops == 0 and not report.findings:
+                return
+            launcher = " in the process that started the ranks"
         where = ""
         if self.settings.report_template:
             where = f"; reports: {self.settings.report_template} (read with `rngcheck show`)"
         if self.settings.trace_template:
             where += f"; trace: {self.settings.trace_template}"
-        sys.stderr.write(f"{summary_line(report)}{where}\n")
+        sys.stderr.write(f"{summary_line(report)}{launcher}{where}\n")
         sys.stderr.flush()

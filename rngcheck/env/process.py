@@ -1,8 +1,8 @@
 """Which process to check: the one running the user's script or module; not launchers (torchrun,
-accelerate, DeepSpeed's, Lightning Fabric's), not multiprocessing children, not pytest (its plugin
-checks there), not the CLI, and not a python process started by an already checked one (its report
-would overwrite the parent's), unless it is another rank of the job (Lightning starts ranks 1 to
-N-1 as children of rank 0)."""
+accelerate, DeepSpeed's, Lightning Fabric's), not multiprocessing children (until they become
+ranks: spawned.py), not pytest (its plugin checks there), not the CLI, and not a python process
+started by an already checked one (its report would overwrite the parent's), unless it is another
+rank of the job (Lightning starts ranks 1 to N-1 as children of rank 0)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,22 @@ import socket
 import sys
 from collections.abc import Mapping
 
-__all__ = ["OWNER_VAR", "RUN_VAR", "owner", "run_id", "skip_reason"]
+__all__ = [
+    "OWNER_VAR",
+    "RANKS_VAR",
+    "RUN_VAR",
+    "may_become_a_rank",
+    "owner",
+    "run_id",
+    "skip_reason",
+]
 
 # "<pid> <place>", set by a checked process: its python children stay unchecked unless the
 # variables launchers set put them at another place in the job (another rank).
 OWNER_VAR = "_RNGCHECK_ACTIVE_IN"
 RUN_VAR = "_RNGCHECK_RUN_ID"  # set by a checked process: the ranks it starts are of its run
+# set by a checked process: where the ranks it starts itself say so (spawned.py)
+RANKS_VAR = "_RNGCHECK_RANKS_IN"
 _PLACE_VARS = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
 _LAUNCHER_MODULES = (
     "torch.distributed.run",
@@ -84,9 +94,11 @@ def _place(environ: Mapping[str, str]) -> str:
     return ",".join(environ.get(name, "") for name in _PLACE_VARS)
 
 
-def owner(environ: Mapping[str, str]) -> str:
-    """The value of OWNER_VAR for this process, checked, at the place ``environ`` gives."""
-    return f"{os.getpid()} {_place(environ)}"
+def owner(environ: Mapping[str, str], rank: int | None = None) -> str:
+    """The value of OWNER_VAR for this process, checked, at the place ``environ`` gives (or,
+    without one, at ``rank`` of its process group: a rank started with multiprocessing)."""
+    place = _place(environ) or ("" if rank is None else f"rank {rank}")
+    return f"{os.getpid()} {place}"
 
 
 def skip_reason(environ: Mapping[str, str]) -> str:
@@ -98,6 +110,22 @@ def skip_reason(environ: Mapping[str, str]) -> str:
     script, module = _launched_as()
     if module.startswith(_LAUNCHER_MODULES) or script in _LAUNCHER_SCRIPTS:
         return f"a launcher or tool ({module or script})"
-    if "multiprocessing" in module or "--multiprocessing-fork" in sys.argv:
+    if _multiprocessing_child(module):
         return "a multiprocessing child"
     return ""
+
+
+def _multiprocessing_child(module: str) -> bool:
+    return "multiprocessing" in module or "--multiprocessing-fork" in sys.argv
+
+
+def may_become_a_rank(environ: Mapping[str, str]) -> bool:
+    """Whether this process is a child that multiprocessing started (``spawn``, ``forkserver``)
+    from a checked process that is no rank itself: ``torch.multiprocessing.spawn``'s ranks, but
+    also a DataLoader worker with a ``spawn`` context. It is checked once it initialises the
+    default process group (a worker never does; spawned.py). A checked rank's children are left
+    alone: a group they made would be another job's, its files named as this job's ranks'."""
+    pid, _, place = environ.get(OWNER_VAR, "").partition(" ")
+    if not pid or pid == str(os.getpid()) or place:
+        return False
+    return _multiprocessing_child(_launched_as()[1])

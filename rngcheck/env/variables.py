@@ -244,6 +244,18 @@ class EnvSettings:
         """The report's and the trace's paths for ``rank`` of ``world_size``."""
         return _paths(self.report_template, self.trace_template, rank, world_size)
 
+    def launcher_paths(self) -> tuple[str | None, str | None]:
+        """The report's and the trace's paths for a process that started the ranks itself
+        (``torch.multiprocessing.spawn``) and is none of them: ``launcher`` for the rank."""
+        return (
+            _rank_path(self.report_template, "launcher", 2, "launcher.json")
+            if self.report_template
+            else None,
+            _rank_path(self.trace_template, "launcher", 2, "launcher.trace.jsonl")
+            if self.trace_template
+            else None,
+        )
+
 
 def _paths(
     report: str | None, trace: str | None, rank: int, world_size: int
@@ -254,7 +266,7 @@ def _paths(
     )
 
 
-def _rank_path(template: str, rank: int, world_size: int, default_name: str) -> str:
+def _rank_path(template: str, rank: int | str, world_size: int, default_name: str) -> str:
     """``{rank}`` filled in; a directory gets ``default_name``; a plain file of a multi-rank run
     gets the rank before its extension, so ranks never overwrite each other's files."""
     if "{rank}" in template:

@@ -405,13 +405,14 @@ class RankChecker:
         self._exchange(Point.EXIT, "")
         return verdict
 
-    def close(self) -> None:
+    def close(self, exc: BaseException | None = None) -> None:
+        """Stop; ``exc``: the exception that ended the checked block (else the one in flight)."""
         if self._digests is not None:
             self._digests.drop()
         self._dp.uninstall()
         if not (self._finished or self._stopped):
             # Leaving early (an exception in the block): tell the ranks that will wait for us.
-            exc = sys.exc_info()[1]
+            exc = exc if exc is not None else sys.exc_info()[1]
             why = f"{type(exc).__name__}: {exc}" if exc is not None else "no exception seen"
             self._board.post_left(self.rank, why[:300])
         self._stopped = True
