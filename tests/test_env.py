@@ -579,7 +579,12 @@ def _spawned(out: Path, start: str, **env: str) -> subprocess.CompletedProcess[s
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("start", "reports_to", "launcher_draws"),
-    [("spawn", "reports", False), ("forkserver", "", False), ("process", "reports", True)],
+    [
+        ("spawn", "reports", False),
+        ("forkserver", "", False),
+        ("process", "reports", True),
+        ("elastic", "reports", False),
+    ],
 )
 def test_ranks_a_script_starts_itself_are_checked_and_train_unchanged(
     tmp_path: Path, start: str, reports_to: str, launcher_draws: bool
@@ -679,3 +684,30 @@ def test_ranks_started_with_fork_are_named_as_unchecked(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     warning = "RNGCheckWarning: rngcheck does not check this rank: it was forked from a checked"
     assert r.stderr.count(warning) == 2, r.stderr[-3000:]
+
+
+_ARMED = """
+import os, sys, tempfile
+from datetime import timedelta
+from rngcheck.env.spawned import when_a_rank
+calls = []
+when_a_rank(lambda: calls.append(1))  # before torch.distributed is imported: the watcher
+import torch.distributed as dist
+from torch.distributed import init_process_group  # a copy by name, as scripts hold one
+store = tempfile.mktemp()
+for i in range(2):  # init, destroy, init: one start
+    init_process_group("gloo", init_method=f"file://{store}{i}", rank=0, world_size=1,
+                       timeout=timedelta(seconds=30))
+    dist.destroy_process_group()
+ours = [f.__code__.co_filename.endswith("spawned.py")
+        for f in (dist.init_process_group, init_process_group)]
+print(len(calls), *ours)
+"""
+
+
+def test_a_rank_to_be_starts_checking_at_its_first_process_group_only() -> None:
+    r = _run([PYTHON, "-c", _ARMED])
+    assert r.returncode == 0, r.stderr[-3000:]
+    # Called once, though the copy imported by name still holds the wrapper; torch.distributed
+    # holds the original again.
+    assert r.stdout.split() == ["1", "False", "True"], r.stdout

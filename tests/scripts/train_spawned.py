@@ -1,9 +1,9 @@
 """PyTorch's DDP tutorial, as its users run it: the script starts its ranks itself with
 torch.multiprocessing (START=spawn, the tutorial's mp.spawn; fork or forkserver through
-start_processes) or with multiprocessing.Process (START=process, the "Writing Distributed
-Applications" tutorial). BUG=1: rank 0 draws one extra number at its second step.
-LAUNCHER_DRAWS=1: the launching process draws a random op of its own first. CRASH=1: rank 0
-raises an error at its second step.
+start_processes), with multiprocessing.Process (START=process, the "Writing Distributed
+Applications" tutorial) or with torch.distributed's elastic_launch (START=elastic). BUG=1: rank 0
+draws one extra number at its second step. LAUNCHER_DRAWS=1: the launching process draws a random
+op of its own first. CRASH=1: rank 0 raises an error at its second step.
 
 Knows nothing of rngcheck; the tests run it with RNGCHECK=1. Writes OUT/result<rank>.json.
 """
@@ -31,8 +31,9 @@ class ToyModel(torch.nn.Module):
 
 
 def demo_basic(rank: int, world_size: int, port: str, out: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
+    if port:  # (else the launcher set them: elastic_launch)
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = port
     timeout = timedelta(seconds=60)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     torch.manual_seed(0)
@@ -56,6 +57,10 @@ def demo_basic(rank: int, world_size: int, port: str, out: str) -> None:
     print("training finished", flush=True)
 
 
+def elastic_rank(out: str) -> None:
+    demo_basic(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "", out)
+
+
 def main() -> None:
     port, out = sys.argv[1], sys.argv[2]
     start = os.environ.get("START", "spawn")
@@ -73,6 +78,19 @@ def main() -> None:
             p.join(120)
         if any(p.exitcode != 0 for p in procs):
             sys.exit(1)
+    elif start == "elastic":
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=2,
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{port}",
+            max_restarts=0,
+            monitor_interval=0.5,
+        )
+        elastic_launch(config, elastic_rank)(out)
     else:
         mp.start_processes(demo_basic, args=args, nprocs=2, join=True, start_method=start)
 
