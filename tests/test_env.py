@@ -25,6 +25,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TIMEOUT = 120  # hard limit for every subprocess
+_PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
 RECOMPUTE_TITLE = "checkpoint recompute drew different random numbers"
 
 
@@ -711,3 +712,36 @@ def test_a_rank_to_be_starts_checking_at_its_first_process_group_only() -> None:
     # Called once, though the copy imported by name still holds the wrapper; torch.distributed
     # holds the original again.
     assert r.stdout.split() == ["1", "False", "True"], r.stdout
+
+
+@pytest.mark.slow
+def test_ranks_of_a_launcher_rngcheck_does_not_know_make_one_run(tmp_path: Path) -> None:
+    # srun starts every rank itself, with Slurm's variables only (no RANK, no run id rngcheck
+    # reads): each rank names its run as rank 0 does once the group is up, so that `rngcheck
+    # show` reads one run of two ranks, not two runs each missing a rank.
+    from rngcheck.cli import main as cli_main
+
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = _env(RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=port, SLURM_JOB_ID="4242", SLURM_PROCID=str(rank))
+        env.update(SLURM_NTASKS="2")
+        script = [PYTHON, str(SCRIPTS / "train_clean.py")]
+        procs.append(subprocess.Popen(script, env=env, cwd=ROOT, text=True, **_PIPES))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=TIMEOUT))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    # The start lines are rank 0's (the first task's at start-up, the ranks' at bind), none from
+    # the other tasks.
+    assert [err.count("rngcheck: checking") for _, err in outs] == [2, 0], outs
+    saved = [Report.load(tmp_path / f"rank{i}.json") for i in range(2)]
+    assert [(rep.rank, rep.world_size) for rep in saved] == [(0, 2), (1, 2)]
+    assert saved[0].meta["run_id"] == saved[1].meta["run_id"]
+    assert cli_main(["show", str(tmp_path)]) == 0

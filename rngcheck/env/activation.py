@@ -22,12 +22,16 @@ from collections.abc import Callable
 from typing import Any
 
 from . import spawned
-from .process import OWNER_VAR, RANKS_VAR, RUN_VAR, owner, run_id
+from .process import OWNER_VAR, RANKS_VAR, RUN_VAR, owner, run_id, task_index
 from .variables import EnvSettings
 
 __all__ = ["Activation"]
 
 log = logging.getLogger(__name__)
+
+# How long a rank waits at its bind for rank 0's run id (rank 0 posts it as it binds, just after
+# the start that every rank has passed): then it keeps its own.
+_RUN_ID_WAIT = 60.0
 
 
 class Activation:
@@ -96,8 +100,9 @@ class Activation:
 
         if dist.is_available() and dist.is_initialized():  # started as the group came up
             self.bind()  # (a rank that torch.multiprocessing.spawn started: spawned.py)
-        elif self.settings.world_size <= 1:  # not launched as a rank: say it now (else at bind)
-            self._announce()
+        elif self.settings.world_size <= 1 and task_index(os.environ) in (None, 0):
+            self._announce()  # not launched as a rank: say it now (else at bind); under srun
+            # or mpirun, only the first task does (the others' start lines would repeat it)
         return self
 
     def _announce(self) -> None:
@@ -195,6 +200,7 @@ class Activation:
         }
         self.mode.bind_distributed()
         self.bound = True
+        self._agree_on_the_run()
         # Its place in the job is known now (a launcher that starts the other ranks from this
         # one, like Lightning's, sets it after start-up): a child started from here on at the
         # same place is this rank's helper, not another rank.
@@ -206,6 +212,18 @@ class Activation:
 
         self._step_hook.remove()
         self._step_hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _agree_on_the_run(self) -> None:
+        """Every rank names its run as rank 0 does: under a launcher whose job rngcheck cannot
+        read from the environment (``srun``, ``mpirun``, a scheduler of the user's), each rank
+        would otherwise be a run of its own, and ``rngcheck show`` would miss the others."""
+        from ..ranks.board import rank0s
+
+        meta = self.mode.report.meta
+        run = rank0s("run_id", meta["run_id"], self.mode.report.rank, _RUN_ID_WAIT)
+        if run != meta["run_id"]:
+            meta["run_id"] = run
+            os.environ[RUN_VAR] = run
 
     def _warn_forked_rank(self) -> None:
         from ..core.findings import RNGCheckWarning

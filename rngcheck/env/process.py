@@ -17,6 +17,7 @@ __all__ = [
     "RUN_VAR",
     "may_become_a_rank",
     "owner",
+    "task_index",
     "run_id",
     "skip_reason",
 ]
@@ -129,3 +130,18 @@ def may_become_a_rank(environ: Mapping[str, str]) -> bool:
     if not pid or pid == str(os.getpid()) or place:
         return False
     return _multiprocessing_child(_launched_as()[1])
+
+
+# Set by launchers that start every rank themselves and that rngcheck reads no RANK from: Slurm's
+# srun, Open MPI's and MPICH's mpirun, PMIx.
+_TASK_VARS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def task_index(environ: Mapping[str, str]) -> int | None:
+    """This process's index among the tasks such a launcher started (None: no such launcher).
+    Only who speaks first hangs on it: the rank is the process group's, once it is up."""
+    for name in _TASK_VARS:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None

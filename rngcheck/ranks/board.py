@@ -116,5 +116,26 @@ def await_every_rank(rank: int, world: int, timeout: float) -> None:
     _ENTRIES[0] += 1
 
 
+def rank0s(name: str, value: str, rank: int, wait: float) -> str:
+    """``value`` as rank 0 gives it (each rank passes its own), through the c10d store, after
+    every rank entered the mode (await_every_rank); this rank's own when there is no store or
+    rank 0's does not come within ``wait`` seconds."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    key = f"rngcheck/{name}/{_ENTRIES[0]}"
+    try:
+        store = _get_default_store()
+        if rank == 0:
+            store.set(key, value)
+            return value
+        store.wait([key], datetime.timedelta(seconds=wait))
+        return bytes(store.get(key)).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - no store, or rank 0 late: this rank's own
+        log.debug("rngcheck could not read rank 0's %s from the store", name, exc_info=True)
+        return value
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {format_ranks(ranks)}"

@@ -22,7 +22,10 @@ class Block(torch.nn.Module):
 
 
 def main() -> None:
-    distributed = "RANK" in os.environ  # started by torchrun
+    if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
+        # srun: the script maps Slurm's variables itself, as launch utilities do
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"])
+    distributed = "RANK" in os.environ  # started by torchrun (or srun)
     if distributed:
         dist.init_process_group("gloo")
     torch.manual_seed(1234)  # the same seed on every rank: replicated model and dropout masks
