@@ -358,7 +358,7 @@ class Activation:
         """The ranks' files (``rank0.json``, ...) are theirs: this process keeps a report only
         when it checked something itself, under ``launcher`` and as a run of its own."""
         report = self.mode.report
-        if report.random_ops == 0 and not report.findings:
+        if _checked_nothing(report):
             self.mode._move_outputs(None, None)
             return
         report.meta["run_id"] = f"{report.meta['run_id']}-launcher"
@@ -425,7 +425,7 @@ class Activation:
             return
         launcher = ""
         if self.launched_only:  # each rank it started says its own line
-            if report.random_ops == 0 and not report.findings:
+            if _checked_nothing(report):
                 return
             launcher = " in the process that started the ranks"
         where = ""
@@ -435,3 +435,8 @@ class Activation:
             where += f"; trace: {self.settings.trace_template}"
         sys.stderr.write(f"{summary_line(report)}{launcher}{where}\n")
         sys.stderr.flush()
+
+
+def _checked_nothing(report: Any) -> bool:
+    """A launcher's report with nothing of its own: no random op, no finding."""
+    return report.random_ops == 0 and not report.findings

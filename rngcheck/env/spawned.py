@@ -35,7 +35,7 @@ _HOLDERS = ("torch.distributed", "torch.distributed.device_mesh")
 class _Armed:
     def __init__(self, start: Callable[[], None]) -> None:
         self._start: Callable[[], None] | None = start
-        self._restore: list[Callable[[], None]] = []
+        self._unpatch: Callable[[], None] | None = None
         self._unwatch: Callable[[], None] | None = None
 
     def watch(self) -> None:
@@ -71,15 +71,15 @@ class _Armed:
             if getattr(module, _NAME, None) is original:
                 setattr(module, _NAME, init_process_group)
         # (a holder imported after the patch took the wrapper: it gets the original back too)
-        self._restore.append(functools.partial(_unpatch, c10d, init_process_group, original))
+        self._unpatch = functools.partial(_unpatch, c10d, init_process_group, original)
 
     def disarm(self) -> None:
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
-        for undo in reversed(self._restore):
-            undo()
-        self._restore.clear()
+        if self._unpatch is not None:
+            self._unpatch()
+            self._unpatch = None
 
 
 def _holders(c10d: ModuleType) -> list[ModuleType]:
@@ -92,13 +92,10 @@ def _unpatch(c10d: ModuleType, wrapper: Any, original: Any) -> None:
             setattr(module, _NAME, original)
 
 
-def when_a_rank(start: Callable[[], None]) -> Callable[[], None]:
+def when_a_rank(start: Callable[[], None]) -> None:
     """Call ``start`` right after this process first initialises torch.distributed's default
-    process group (through ``torch.distributed.init_process_group`` or ``init_device_mesh``);
-    returns the function that disarms it."""
-    armed = _Armed(start)
-    armed.watch()
-    return armed.disarm
+    process group (through ``torch.distributed.init_process_group`` or ``init_device_mesh``)."""
+    _Armed(start).watch()
 
 
 # -- how the launching process learns that its children are ranks ----------------------------
