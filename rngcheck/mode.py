@@ -54,6 +54,7 @@ from .output.report import Report
 from .output.sink import FindingSink
 from .output.trace import TraceFeed, write_trace
 from .recompute.compiled import CompiledRecomputes
+from .recompute.held import HeldFindings
 from .recompute.inferred import InferredRecomputes, driver_frame
 from .recompute.probe import StateProbe
 from .recompute.torch_hooks import checkpoint_frame_on_stack
@@ -215,6 +216,12 @@ class RNGConsistencyMode:
             StepSchedule(cfg.sample_every, cfg.sample_first) if cfg.level == "step" else None
         )
         self._probe: StateProbe | None = None
+        # level="step": the probe's findings, held until a step checked op by op names them
+        self._held = (
+            HeldFindings(self._sink.emit, lambda: self._step_of(-1))
+            if self._schedule is not None
+            else None
+        )
         self._probe_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         self._want_escalation = False
         self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
@@ -263,15 +270,17 @@ class RNGConsistencyMode:
 
             self._step_hook = register_optimizer_step_post_hook(self._on_step)
             if self.config.check_recompute:
-                self.recompute_tracker = RecomputeTracker(self._sink.emit, self._record_cached)
+                held = self._held
+                emit = held.op_by_op if held is not None else self._sink.emit
+                self.recompute_tracker = RecomputeTracker(emit, self._record_cached)
                 self.recompute_tracker.install()
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
-                self._inferred = InferredRecomputes(self._sink.emit, self.config.window)
-                self._compiled = CompiledRecomputes(self._sink.emit)
-                if self._schedule is not None:
+                self._inferred = InferredRecomputes(emit, self.config.window)
+                self._compiled = CompiledRecomputes(emit)
+                if held is not None:
                     self._probe = StateProbe(
-                        self._probe_generators, self._sink.emit, self._request_escalation
+                        self._probe_generators, held.between_samples, self._request_escalation
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()
@@ -300,6 +309,8 @@ class RNGConsistencyMode:
                 last = self._ranks.finish()
                 if last is not None and last.drifted:  # too late to check a step op by op
                     self._late_drift = last.step
+            if self._held is not None:  # (after an exception: recorded, not raised)
+                self._held.close(raising=exc_type is None)
         finally:
             self._teardown()
 
@@ -465,13 +476,17 @@ class RNGConsistencyMode:
         self._since_lead.clear()
         self._step_ends.end_step(self._window.total)
         self._in_step_hook = True  # what is found here belongs to the step that just ended
+        interceptor = self._interceptor
+        ran_op_by_op = interceptor is not None and not interceptor.suspended
         try:
             if self._inferred is not None:
                 self._inferred.on_step()
             if self._ranks is not None:
                 self._ranks.on_step(optimizer)
-            if self._schedule is not None and self._interceptor is not None:
-                self._next_step(self._schedule, self._interceptor)
+            if self._schedule is not None and interceptor is not None:
+                self._next_step(self._schedule, interceptor)
+            if self._held is not None:  # last: its findings may raise
+                self._held.step_ended(len(self._step_ends), ran_op_by_op)
         finally:
             self._in_step_hook = False
 

@@ -163,8 +163,8 @@ def test_a_compiled_checkpoint_that_nothing_replays_is_found_and_named(backend):
 
 
 def test_a_compiled_checkpoint_that_nothing_replays_is_named_between_sampled_steps():
-    """The step level finds it by generator states between sampled steps, with the same cause,
-    then locates it op by op at the next step."""
+    """The step level finds it by generator states between sampled steps, then names it op by op
+    at the next step, with the same cause: one finding."""
     torch.manual_seed(0)
     lin, fn = _checkpointed_dropout()
     compiled = torch.compile(fn, backend="eager")
@@ -177,11 +177,12 @@ def test_a_compiled_checkpoint_that_nothing_replays_is_named_between_sampled_ste
             # The first step, checked op by op, runs no checkpoint.
             (compiled(x) if step else lin(x).sum()).backward()
             opt.step()
-    probed, located = mode.report.findings[:2]
-    assert "(checked at the step level)" in probed.message, probed.message
-    assert "tag_activation_checkpoint" in probed.cause and "160773" in probed.cause
-    assert probed.op == "non-reentrant checkpoint"
+    # One finding: found at step 2 by generator states, named op by op at step 3.
+    (located,) = mode.report.findings
     assert located.op == "aten.bernoulli_.float" and "tag_activation_checkpoint" in located.cause
+    assert "160773" in located.cause and located.first_step == 2, located.first_step
+    assert located.found_by.startswith("between sampled steps at step 2, by generator states (")
+    assert located.found_by.endswith("named op by op at step 3"), located.found_by
 
 
 def _dropout_sum(x):

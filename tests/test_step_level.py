@@ -123,7 +123,7 @@ def test_correct_training_is_quiet_bitwise_the_same_and_unintercepted_between_sa
 @pytest.mark.parametrize(
     ("kind", "line", "cause"),
     [
-        ("user generator", "user generator", "user generator: torch.utils.checkpoint stashes"),
+        ("user generator", "user generator", "torch.utils.checkpoint stashes"),
         ("preserve_rng_state=False", "block dropout", "preserve_rng_state=False, so default cpu"),
     ],
 )
@@ -137,20 +137,133 @@ def test_a_recompute_bug_between_samples_is_found_then_located_at_the_next_step(
         _train(
             model, 20, torch.Generator().manual_seed(1), bug_at=6, kind=kind, optimizers=optimizers
         )
-    found = {f.op: f for f in mode.report.findings}
-    assert set(found) == {"non-reentrant checkpoint", found_op(kind)}, list(found)
-    step_level = found["non-reentrant checkpoint"]
-    assert "(checked at the step level)" in step_level.message and cause in step_level.cause
-    assert "checkpoint #" in step_level.region and " of blocks." in step_level.region
-    # Found at step 6 between samples, and at every later unchecked step (counted, not drawn).
-    assert step_level.first_step == 6 and step_level.last_step == 20
-    # Escalated once: step 7 ran op by op and named the op, its line and the likely cause.
-    located = found[found_op(kind)]
-    assert (located.first_step, located.last_step, located.count) == (7, 7, 2)  # both blocks
+    # One bug, one finding: found at step 6 between samples by generator states (the region
+    # and the generator), held, and named at step 7, checked op by op (the op, its line, the
+    # likely cause); every occurrence between samples before and after is counted on it.
+    (located,) = mode.report.findings
+    assert located.op == found_op(kind) and cause in located.cause
     file, lineno = marked_line(line)
     assert located.site == f"{os.path.basename(file)}:{lineno}"
+    # 2 blocks a step: steps 6 and 8-20 between samples, step 7 op by op.
+    assert (located.first_step, located.last_step, located.count) == (6, 20, 2 * 15)
+    assert located.found_by.startswith("between sampled steps at step 6, by generator states (")
+    assert " (non-reentrant) of blocks." in located.found_by, located.found_by
+    assert located.found_by.endswith("); named op by op at step 7"), located.found_by
+    assert "(checked at the step level)" not in located.found_by
     level = mode.report.meta["level"]
     assert level["op_level"] == ["1-2", "7"] and level["escalations"] == 1
+
+
+def test_raised_a_bug_between_samples_stops_the_run_at_its_op_and_line():
+    """on_finding="raise" (RNGCHECK=1's default): the finding between samples does not stop the
+    run before the next step has named its op and line; the error raised there, its drawing and
+    the saved report say both, and how it was found."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from rngcheck.output.render import format_finding
+
+    console = Console(file=StringIO(), width=400, color_system=None)
+    torch.manual_seed(0)
+    model = Net()
+    with (
+        pytest.raises(rngcheck.RecomputeMismatchError) as info,
+        rngcheck.RNGConsistencyMode(level="step", sample_every=1000, console=console) as mode,
+    ):
+        _train(model, 20, torch.Generator().manual_seed(1), bug_at=6, kind="preserve")
+    (finding,) = mode.report.findings
+    assert info.value.finding is finding
+    assert finding.op == "aten.bernoulli_.float"
+    # both blocks at step 6 between samples, the first one at step 7 op by op: raised there
+    assert (finding.first_step, finding.last_step, finding.count) == (6, 7, 3)
+    file, lineno = marked_line("block dropout")
+    assert finding.site == f"{os.path.basename(file)}:{lineno}"
+    assert finding.found_by.endswith("named op by op at step 7")
+    drawn = console.file.getvalue()
+    assert drawn.count("checkpoint recompute drew different random numbers") == 1, drawn
+    assert (
+        f"Found: {finding.found_by}" in drawn
+        and "Recurring: seen 3 times in all, steps 6 to 7" in drawn
+    )
+    again = rngcheck.Finding.from_dict(finding.to_dict())
+    assert again.found_by == finding.found_by
+    assert f"  Found: {finding.found_by}" in format_finding(again).splitlines()
+
+
+def _one_off(model: Net, steps: int, bad: set[int]) -> None:
+    """``steps`` training steps, the blocks checkpointed with preserve_rng_state=False at the
+    steps in ``bad`` only (1-based)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        for b in model.blocks:
+            b.preserve = step not in bad
+        model(torch.randn(4, 8, generator=data)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("on_finding", ["record", "raise"])
+def test_a_bug_of_one_step_between_samples_is_reported_after_the_next_step_as_found(on_finding):
+    """Step 7, checked op by op after the step 6 that had the bug, has none: the finding by
+    generator states is reported as it is (region and generator, no op), saying why, at the end
+    of step 7 (raised there under on_finding="raise")."""
+    torch.manual_seed(0)
+    model = Net()
+    raised = (
+        contextlib.nullcontext()
+        if on_finding == "record"
+        else pytest.raises(rngcheck.RecomputeMismatchError)
+    )
+    with (
+        raised as info,
+        rngcheck.RNGConsistencyMode(level="step", sample_every=1000, on_finding=on_finding) as mode,
+    ):
+        _one_off(model, 12, bad={6})
+    (found,) = mode.report.findings
+    assert found.op == "non-reentrant checkpoint" and not found.found_by
+    assert "(checked at the step level)" in found.message and " of blocks." in found.region
+    assert (found.first_step, found.last_step, found.count) == (6, 6, 2)  # both blocks
+    assert "preserve_rng_state=False" in found.cause and "The step after" not in found.cause
+    assert found.cause.endswith(
+        "Step 7, checked op by op after it, drew the same random numbers in both passes, so the "
+        "op and its line are not known: look for what changes from step to step in this region "
+        "(a flag, a schedule, data-dependent control flow)."
+    ), found.cause
+    if on_finding == "raise":
+        assert info.value.finding is found
+        # raised by the step hook of step 7: its optimizer step, in the training loop
+        assert any("opt.step()" in (f.line or "") for f in traceback_frames(info.value))
+
+
+@pytest.mark.parametrize("how", ["normal exit", "exception"])
+def test_a_bug_at_the_last_step_is_reported_at_exit(how):
+    """The run ends before a step checked op by op: the finding is reported at exit as found,
+    raised there when the block ends normally, and only recorded when an exception ends it (the
+    user's exception is the one to see)."""
+    torch.manual_seed(0)
+    model = Net()
+    expected = rngcheck.RecomputeMismatchError if how == "normal exit" else KeyError
+    with (
+        pytest.raises(expected),
+        rngcheck.RNGConsistencyMode(level="step", sample_every=1000) as mode,
+    ):
+        _one_off(model, 8, bad={8})
+        if how == "exception":
+            raise KeyError("the user's own error")
+    (found,) = mode.report.findings
+    assert found.op == "non-reentrant checkpoint" and found.first_step == 8
+    assert found.cause.endswith(
+        "The run ended before a step could be checked op by op, so the op and its line are not "
+        "known."
+    ), found.cause
+
+
+def traceback_frames(exc: BaseException) -> list[Any]:
+    import traceback
+
+    return traceback.extract_tb(exc.__traceback__)
 
 
 def found_op(kind: str) -> str:
@@ -234,13 +347,12 @@ def test_a_recompute_that_draws_more_from_a_restored_generator_is_found_between_
             out.sum().backward()
             block.extra = False
             opt.step()
-    found = {f.op: f for f in mode.report.findings}
-    step_level = found[f"{'reentrant' if how == 'reentrant' else 'non-reentrant'} checkpoint"]
-    assert "drew a different amount" in step_level.message, step_level.message
-    assert "control flow differs" in step_level.cause
-    assert step_level.first_step == 6 and " of Branchy" in step_level.region
-    located = [f for f in mode.report.findings if f.first_step == 7 and f is not step_level]
-    assert located and "control flow" in located[0].cause, [f.message for f in located]
+    (located,) = mode.report.findings  # found at step 6, named op by op at step 7
+    kind = "reentrant" if how == "reentrant" else "non-reentrant"
+    assert located.op.startswith("aten.") and "control flow" in located.cause, located.message
+    assert located.first_step == 6 and located.found_by.endswith("named op by op at step 7")
+    assert f"({kind}) of Branchy: " in located.found_by, located.found_by
+    assert "drew a different amount" in located.found_by, located.found_by
 
 
 def test_an_early_stopping_recompute_before_the_extra_draw_is_quiet():
@@ -279,11 +391,11 @@ def test_a_plain_function_region_between_samples_is_named_by_its_line():
             out = checkpoint(noisy_block, x, use_reentrant=False)  # <- noisy call
             out.sum().backward()
             opt.step()
-    step_level = next(f for f in mode.report.findings if f.op == "non-reentrant checkpoint")
+    (located,) = mode.report.findings  # found at step 5 between samples, named at step 6
     file, lineno = marked_line("noisy call")  # (a layer is named by its layer instead)
-    where = f"(non-reentrant) at {os.path.basename(file)}:{lineno}"
-    assert where in step_level.region and where in step_level.message, step_level.region
-    assert step_level.first_step == 5
+    where = f"(non-reentrant) at {os.path.basename(file)}:{lineno}: "
+    assert where in located.found_by, located.found_by
+    assert located.first_step == 5 and located.op == "aten.rand.generator"
 
 
 def test_a_derivative_inside_the_region_still_leaves_its_recompute_checked():
@@ -310,9 +422,8 @@ def test_a_derivative_inside_the_region_still_leaves_its_recompute_checked():
             out.sum().backward()
             extra = False
             opt.step()
-    step_level = [f for f in mode.report.findings if f.op == "non-reentrant checkpoint"]
-    assert step_level and step_level[0].first_step == 6, [f.message for f in step_level]
-    assert any(f.first_step == 7 and f is not step_level[0] for f in mode.report.findings)
+    (located,) = mode.report.findings
+    assert located.first_step == 6 and located.found_by.endswith("named op by op at step 7")
     assert not mode.recompute_tracker.waiting()
 
 
@@ -344,9 +455,12 @@ def test_two_marked_regions_with_bugs_at_different_times_are_each_located():
             opt.step()
     level = mode.report.meta["level"]
     assert level["escalations"] == 2 and level["op_level"] == ["1-2", "5", "10"], level
-    # Both located op by op (one finding: the same line draws both masks), attn's first.
-    (located,) = [f for f in mode.report.findings if f.op.startswith("aten.")]
-    assert (located.first_step, located.last_step, located.count) == (5, 10, 2)
+    # Both located op by op (one finding: the same line draws both masks), attn's first: attn
+    # found at step 4 between samples and named at 5, mlp found at 9, named at 10 and found
+    # again at 11 to 13, every occurrence counted on the one finding.
+    (located,) = mode.report.findings
+    assert (located.first_step, located.last_step, located.count) == (4, 13, 7)
+    assert located.found_by.startswith("between sampled steps at step 4, by generator states")
     file, lineno = marked_line("marked forward")
     assert located.region == f"attn (custom) at {os.path.basename(file)}:{lineno}"
 
@@ -582,8 +696,9 @@ def test_hugging_face_training_at_the_step_level(family, reentrant):
         assert probe["regions"] and probe["compared"], probe
     else:  # the CPU default restored, early stop: left to torch between samples
         assert probe["restored_and_stopped_early"] and not probe["compared"], probe
-    # The same model with preserve_rng_state=False: found at step 1 (op by op) and counted at
-    # every later step by the probe, which escalates nothing the op level already named.
+    # The same model with preserve_rng_state=False: found at step 1 (op by op), found again by
+    # the probe at step 3, escalated once (step 4 names it again) and counted on the one
+    # finding at every step.
     torch.manual_seed(0)
     model = hf.build(family)
     model.gradient_checkpointing_enable(
@@ -591,13 +706,9 @@ def test_hugging_face_training_at_the_step_level(family, reentrant):
     )
     with rngcheck.RNGConsistencyMode(sample_every=1000, **STEP) as mode:
         hf.train(model, family, steps=6)
-    ops = {f.op: f for f in mode.report.findings}
-    kind = "reentrant" if reentrant else "non-reentrant"
-    assert f"{kind} checkpoint" in ops, list(ops)
-    step_level = ops[f"{kind} checkpoint"]
-    assert (step_level.first_step, step_level.last_step) == (3, 6)
-    op_level = [f for op, f in ops.items() if op != f"{kind} checkpoint"]
-    assert op_level and op_level[0].first_step == 1
+    (found,) = mode.report.findings
+    assert found.op == "aten.bernoulli_.float" and (found.first_step, found.last_step) == (1, 6)
+    assert not found.found_by  # found op by op first
     assert mode.report.meta["level"]["op_level"] == ["1-2", "4"]  # one escalation, at step 3
 
 

@@ -115,6 +115,9 @@ class Finding:
     count: int = 1  # occurrences of this finding (the same key)
     first_step: int = 0  # the optimizer step of the first occurrence (1-based; 0: unknown)
     last_step: int = 0  # and of the last
+    # level="step": how a finding first found between sampled steps (by generator states) was
+    # then named op by op ("" when it was found op by op)
+    found_by: str = ""
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -158,6 +161,7 @@ class Finding:
             "count": self.count,
             "first_step": self.first_step,
             "last_step": self.last_step,
+            "found_by": self.found_by,
         }
 
     @classmethod
@@ -179,6 +183,7 @@ class Finding:
             count=int(data.get("count", 1)),
             first_step=int(data.get("first_step", 0)),
             last_step=int(data.get("last_step", 0)),
+            found_by=data.get("found_by", ""),
         )
 
 

@@ -138,6 +138,8 @@ def render_finding(finding: Finding, world_size: int = 0) -> RenderableType:
     parts: list[RenderableType] = [Text(finding.message, style="bold")]
     if finding.cause:
         parts.append(Text.assemble(("Likely cause: ", "bold yellow"), finding.cause))
+    if finding.found_by:
+        parts.append(Text.assemble(("Found: ", "bold"), finding.found_by))
     repeats = repeats_line(finding)
     if repeats:
         parts.append(Text.assemble(("Recurring: ", "bold"), repeats))
@@ -164,6 +166,8 @@ def format_finding(finding: Finding, world_size: int = 0) -> str:
     lines = [f"rngcheck: {finding.title} [{finding.kind.value}]", f"  {finding.message}"]
     if finding.cause:
         lines.append(f"  Likely cause: {finding.cause}")
+    if finding.found_by:
+        lines.append(f"  Found: {finding.found_by}")
     repeats = repeats_line(finding)
     if repeats:
         lines.append(f"  Recurring: {repeats}")

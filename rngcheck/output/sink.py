@@ -58,22 +58,31 @@ class FindingSink:
         """Distinct findings that were not kept (past ``MAX_FINDINGS``)."""
         return self.report.findings_dropped
 
-    def emit(self, finding: Finding) -> None:
+    def emit(
+        self, finding: Finding, earlier: tuple[int, int] = (0, 0), raising: bool = True
+    ) -> None:
         """Record a finding (or count it on its first occurrence); draw it the first time; warn
-        or raise as configured."""
+        or raise as configured. ``earlier``: occurrences of it found before another way, and the
+        step of the first (level="step": between sampled steps), counted on it. ``raising``:
+        False when the checked block ended by an exception, the one to see (recorded and drawn
+        only)."""
         if self.ignore and self._ignored(finding):
             return
         # A rank finding's seq may be another rank's op: it is found at this rank's step now,
         # unless it says its step (one compared rounds after it happened: a pass's order).
         step = finding.first_step or self.step(-1 if finding.ranks else finding.seq)
+        more, since = earlier
         key = finding.key
         with self._lock:
-            self.occurrences += 1
+            self.occurrences += 1 + more
             index = self._kept.get(key)
             if index is not None:  # the same bug again: counted, not drawn again
                 first = self.report.findings[index]
                 self.report.findings[index] = replace(
-                    first, count=first.count + 1, last_step=step or first.last_step
+                    first,
+                    count=first.count + 1 + more,
+                    first_step=min(since, first.first_step or since) if since else first.first_step,
+                    last_step=step or first.last_step,
                 )
                 repeat = True
             elif len(self.report.findings) >= MAX_FINDINGS:
@@ -86,7 +95,12 @@ class FindingSink:
                 return
             else:
                 self._kept[key] = len(self.report.findings)
-                self.report.findings.append(replace(finding, first_step=step, last_step=step))
+                record = replace(
+                    finding, count=finding.count + more, first_step=since or step, last_step=step
+                )
+                self.report.findings.append(record)
+                if more or since:  # drawn and raised with what was found before it
+                    finding = record
                 repeat = False
         if self.on_finding == "record":
             return
@@ -94,6 +108,8 @@ class FindingSink:
             from .render import print_finding
 
             print_finding(finding, console=self.console, world_size=self.report.world_size)
+        if not raising:
+            return
         if self.on_finding == "warn":
             self._warn(finding)
             return

@@ -26,6 +26,7 @@ from ..core.events import FORWARD, RECOMPUTE, Phase
 from ..core.findings import Finding, FindingKind
 from ..core.stacks import Stack
 from .causes import compiled_checkpoint_cause, control_flow_cause
+from .held import NEXT_STEP
 from .region import Region
 
 __all__ = ["StateProbe"]
@@ -56,14 +57,15 @@ class StateProbe:
 
     ``generators(devices)`` lists the tracked generators a region can draw from (the CPU default
     first, then the defaults of its devices and the user generators the op level has seen; the
-    same tuple while nothing new is tracked); ``emit`` takes a finding, ``escalate()`` asks for
-    the next step to be checked op by op.
+    same tuple while nothing new is tracked); ``emit`` takes a finding and the label of the
+    generator it is about (the mode holds it until a step checked op by op names it: held.py),
+    ``escalate()`` asks for the next step to be checked op by op.
     """
 
     def __init__(
         self,
         generators: Callable[[tuple[str, ...]], tuple[Any, ...]],
-        emit: Callable[[Finding], None],
+        emit: Callable[[Finding, str], None],
         escalate: Callable[[], None],
     ) -> None:
         self._generators = generators
@@ -190,14 +192,15 @@ class StateProbe:
                 message=f"{region.title}: {what.format(gen=label)} (checked at the step level)",
                 op=f"{region.kind} checkpoint",
                 cause=(
-                    f"{control_flow_cause()}{_NEXT_STEP}"
+                    f"{control_flow_cause()}{NEXT_STEP}"
                     if control_flow
                     else _cause(region, label, tracked.ident.is_default)
                 ),
                 differs="state",
                 region=region.title,
                 stack=Stack.capture(),
-            )
+            ),
+            label,
         )
 
 
@@ -268,10 +271,4 @@ def _cause(region: Region, label: str, is_default: bool) -> str:
         )
     else:
         why = f"{label} was not restored to the forward's state before the recompute"
-    return f"{why}.{_NEXT_STEP}"
-
-
-_NEXT_STEP = (
-    " The step after this one is checked op by op: its finding names the random op, its line "
-    "and the likely cause."
-)
+    return f"{why}.{NEXT_STEP}"
