@@ -227,9 +227,9 @@ def test_a_bug_of_one_step_between_samples_is_reported_after_the_next_step_as_fo
     assert (found.first_step, found.last_step, found.count) == (6, 6, 2)  # both blocks
     assert "preserve_rng_state=False" in found.cause and "The step after" not in found.cause
     assert found.cause.endswith(
-        "Step 7, checked op by op after it, drew the same random numbers in both passes, so the "
-        "op and its line are not known: look for what changes from step to step in this region "
-        "(a flag, a schedule, data-dependent control flow)."
+        "Step 7, checked op by op after it, had no recompute that drew differently from default "
+        "cpu, so the op and its line are not known: look for what changes from step to step in "
+        "this region (a flag, a schedule, data-dependent control flow)."
     ), found.cause
     if on_finding == "raise":
         assert info.value.finding is found

@@ -30,9 +30,9 @@ NEXT_STEP = (
     "and the likely cause."
 )
 _NOT_REPEATED = (
-    " Step {step}, checked op by op after it, drew the same random numbers in both passes, so "
-    "the op and its line are not known: look for what changes from step to step in this region "
-    "(a flag, a schedule, data-dependent control flow)."
+    " Step {step}, checked op by op after it, had no recompute that drew differently from {gen}, "
+    "so the op and its line are not known: look for what changes from step to step in this "
+    "region (a flag, a schedule, data-dependent control flow)."
 )
 _RUN_ENDED = (
     " The run ended before a step could be checked op by op, so the op and its line are not known."
@@ -115,7 +115,7 @@ class HeldFindings:
             return
         with self._lock:
             due = [self._held.pop(k) for k, h in list(self._held.items()) if h.step < ended]
-        self._release_all(due, _NOT_REPEATED.format(step=ended), True)
+        self._release_all(due, _NOT_REPEATED.replace("{step}", str(ended)), True)
 
     def close(self, raising: bool) -> None:
         """The mode ends: what is still held is emitted (``raising``: False after an exception
@@ -135,7 +135,7 @@ class HeldFindings:
 
     def _release(self, held: _Held, why: str, raising: bool) -> None:
         finding = held.finding
-        cause = finding.cause.removesuffix(NEXT_STEP) + why
+        cause = finding.cause.removesuffix(NEXT_STEP) + why.replace("{gen}", held.generator)
         self._emit(
             replace(finding, cause=cause, first_step=held.last),  # (the step of its latest)
             earlier=(held.count - 1, held.step),
