@@ -71,8 +71,16 @@ def register_random_op(*ops: OpOverload | OpOverloadPacket) -> None:
         KINDS[op] = OpKind.RANDOM  # the table a running mode reads: it checks the op from now on
 
 
+# Point-to-point ops: two ranks meet there, not the group (a pipeline's stages send and receive
+# in orders and numbers of their own), so they are no alignment point.
+_POINT_TO_POINT = ("send", "recv_", "recv_any_source_")
+
+
 def _is_collective(func: Any) -> bool:
-    return getattr(func, "namespace", None) == "c10d" and not func.__name__.startswith("wait")
+    if getattr(func, "namespace", None) != "c10d":
+        return False
+    name = func.__name__.split(".")[0]
+    return not (name.startswith("wait") or name in _POINT_TO_POINT)
 
 
 def classify(func: Any) -> OpKind:
