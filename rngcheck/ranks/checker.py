@@ -48,8 +48,11 @@ from .findings import (
     GATHERED_WHY,
     GENERATE_WHY,
     OWN_ARGUMENTS_WHY,
+    PIPELINE_ORDER,
+    PIPELINE_WHY,
     SAMPLED_WHY,
     SHARE_WHY,
+    STAGE_INIT_WHY,
     Detail,
     Uncompared,
     build_finding,
@@ -247,6 +250,7 @@ class RankChecker:
         self._init_due = False  # the next exchange settles the parameter initialisations
         self._init_settled = False
         self._broadcast_inits: dict[str, int] = {}  # wrapper label -> initialisations it covered
+        self._stage_inits: dict[str, int] = {}  # pipeline stage -> its own initialisations
         self._replaced_inits = 0  # initialisations of parameters gone by the settle point
         self._held: list[Finding] = []  # per-rank seeding seen before the program was known DP
         # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
@@ -282,6 +286,14 @@ class RankChecker:
                 self._pass_draw(event)
             return
         why, order, call, peers, across = self._judge(event, mesh)
+        if (
+            not why
+            and mesh is None
+            and written is not None
+            and self._dp.stages
+            and not self._init_settled
+        ):
+            why = self._stage_init(event, written)
         if why:
             with self._lock:
                 self._skip(event, why)
@@ -347,9 +359,16 @@ class RankChecker:
         """A random op of a pass's first batch, between samples: an order that a sampler splits
         among the ranks (Rule 5) joins the digest of this pass, which the step round compares
         (every rank must draw it alike, whatever the generator); anything else is not looked at."""
-        if event.expect == "ignore" or not self._dp.wrappers or current_expectation() is not None:
+        if (
+            event.expect == "ignore"
+            or not (self._dp.wrappers or self._dp.stages)
+            or current_expectation() is not None
+        ):
             return
-        order = data_reading().order
+        reading = data_reading()
+        order = reading.order
+        if not order and reading.shuffle and self._dp.stages:
+            order = f"{reading.shuffle}{PIPELINE_ORDER}"
         if not order or order == SPLITS_A_DATASET:  # (a split is no pass's order)
             return
         with self._lock:
@@ -536,7 +555,8 @@ class RankChecker:
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-                return self._own_batch(wrapper, DATA_PARALLEL_WHY)
+                why = PIPELINE_WHY if wrapper.pipeline else DATA_PARALLEL_WHY
+                return self._own_batch(wrapper, why)
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
                 return self._own_batch(wrapper, GENERATE_WHY)
@@ -553,6 +573,7 @@ class RankChecker:
         # share of the data was seen)
         walk = (
             self._dp.wrappers
+            or self._dp.stages
             or self._shares
             or not self._init_settled
             or any(m in sys.modules for m in DISPATCHER_MODULES)
@@ -563,6 +584,9 @@ class RankChecker:
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
             return _Judged(why, "", "")
         order = reading.order if self._dp.wrappers else ""
+        if not order and reading.shuffle and self._dp.stages:
+            # (Rule 5, pipelines: every stage reads the same batches; its shuffle must agree)
+            order = f"{reading.shuffle}{PIPELINE_ORDER}"
         if reading.order == SPLITS_A_DATASET:
             # (a dataset's split also before any wrapper is built; but not from a generator the
             # ranks are known to seed apart on purpose (Rule 3): a rank may split alone there)
@@ -578,6 +602,18 @@ class RankChecker:
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return _Judged("on a per-rank stream", "", "")
         return _Judged("", order, "") if order else _COMPARED
+
+    def _stage_init(self, event: RandomOpEvent, written: Any) -> str:
+        """Rule 4, pipelines: the initialisation of a parameter of a pipeline stage this rank
+        holds is the stage's own (each rank initialises its own layers, in amounts of its own);
+        "" for any other op."""
+        if not isinstance(written, torch.nn.Parameter) or current_expectation() is not None:
+            return ""
+        stage = self._dp.stage_holding(written)
+        if stage:
+            self._stage_inits[stage] = self._stage_inits.get(stage, 0) + 1
+            return f"{STAGE_INIT_WHY}{stage}"
+        return ""
 
     def _own_line(self, event: RandomOpEvent) -> str:
         """Rule 9: the line (``file.py:12``) of an op drawn where the ranks drew that op from its
@@ -603,11 +639,12 @@ class RankChecker:
         members = self._groups.members(None, mesh)
         if not peers or members is None or not set(members) <= set(peers):
             return _COMPARED
-        return self._own_batch(wrapper, DATA_PARALLEL_WHY)
+        return self._own_batch(wrapper, PIPELINE_WHY if wrapper.pipeline else DATA_PARALLEL_WHY)
 
     def _own_batch(self, wrapper: Wrapper, why: str) -> _Judged:
-        """Rule 2: an op of the wrapper's forward/backward (``why``: DATA_PARALLEL_WHY) or of
-        generate() on its module (GENERATE_WHY), this rank's own across the wrapper's group;
+        """Rule 2: an op of the wrapper's forward/backward (``why``: DATA_PARALLEL_WHY; a
+        pipeline schedule's step, PIPELINE_WHY) or of generate() on its module (GENERATE_WHY),
+        this rank's own across the wrapper's group;
         compared among its tensor-parallel peers, if it has any."""
         peers = self._peers_of(wrapper)
         self._dp.count(wrapper, generated=why == GENERATE_WHY, peers=bool(peers))
@@ -773,6 +810,13 @@ class RankChecker:
                 ),
             ),
             *_counted(
+                self._dp.staged,
+                lambda label: (
+                    f"random op(s) in the pipeline stages {label} runs (its stages' forwards "
+                    "and backwards: each rank runs its own layers)."
+                ),
+            ),
+            *_counted(
                 self._dp.peer_ops,
                 lambda label: (
                     f"random op(s) of the module {label} wraps (its forward, backward and "
@@ -794,6 +838,13 @@ class RankChecker:
                     f"random op(s) in generate() of {label}, which no data-parallel wrapper "
                     "wraps: each rank samples for its own inputs (its calls are compared across "
                     "the ranks, one for one, with the state each starts from)."
+                ),
+            ),
+            *_counted(
+                self._stage_inits,
+                lambda stage: (
+                    f"parameter initialisation(s) of {stage}, this rank's own layers (each "
+                    "rank initialises the stages it holds)."
                 ),
             ),
             *_counted(

@@ -34,6 +34,11 @@ initialises a model made from a config so, on rank 0 alone. The tracker keeps, p
 rank such a region broadcasts from, so the rank checker leaves what is drawn inside it
 uncompared.
 
+Pipeline parallelism (``torch.distributed.pipelining``) puts different layers on different ranks:
+a schedule's ``step()`` runs in the scope of a :class:`Wrapper` over its stages' group
+(``pipeline``), so what its stages draw is each rank's own, and every ``PipelineStage`` built is
+kept (``stages``), so that the initialisation of its parameters is known as the rank's own.
+
 A wrapper is known by its group's global ranks. The scope of a random op is the innermost wrapper
 whose forward is running on this thread, or, during backward, the wrapper whose forward ran last
 (until the next optimizer step): checkpoint recomputes and gradient-time randomness of a
@@ -59,7 +64,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -75,6 +80,8 @@ _FSDP2_MODULE = "torch.distributed.fsdp"
 _DEEPSPEED_MODULE = "deepspeed.runtime.engine"
 _ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
 _GENERATION_MODULE = "transformers.generation.utils"
+_PIPELINE_MODULE = "torch.distributed.pipelining.schedules"
+_STAGE_MODULE = "torch.distributed.pipelining.stage"
 _WATCHED = (
     _DDP_MODULE,
     _FSDP1_MODULE,
@@ -82,6 +89,8 @@ _WATCHED = (
     _DEEPSPEED_MODULE,
     _ZERO_INIT_MODULE,
     _GENERATION_MODULE,
+    _PIPELINE_MODULE,
+    _STAGE_MODULE,
 )
 
 
@@ -90,7 +99,7 @@ class Wrapper:
     """One data-parallel wrapper: its kind, its group, and what it broadcast at construction."""
 
     # "DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "DeepSpeedEngine",
-    # "deepspeed.zero.Init"
+    # "deepspeed.zero.Init"; a pipeline schedule's class ("ScheduleGPipe"), with ``pipeline``
     kind: str
     ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
     broadcasts: bool = False  # overwrote the module's states from one rank when it was built
@@ -100,6 +109,9 @@ class Wrapper:
     # What it overwrote, as it was built: the states' ids and the storages they held then.
     tensors: frozenset[int] = field(default=frozenset(), repr=False)
     storages: frozenset[int] = field(default=frozenset(), repr=False)
+    # A pipeline schedule (torch.distributed.pipelining) over its stages' group: each rank runs
+    # the stages it holds, its own layers, not its own batch.
+    pipeline: bool = False
 
     @property
     def label(self) -> str:
@@ -136,7 +148,12 @@ def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
 
 
-def _states(module: torch.nn.Module, buffers: bool) -> dict[str, frozenset[int]]:
+class _States(TypedDict, total=False):
+    tensors: frozenset[int]
+    storages: frozenset[int]
+
+
+def _states(module: torch.nn.Module, buffers: bool) -> _States:
     """The module's parameters (and buffers): their ids and the storages they hold now."""
     tensors: list[torch.Tensor] = list(module.parameters())
     if buffers:
@@ -188,8 +205,10 @@ class DataParallelTracker:
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
+        self.staged: dict[str, int] = {}  # ... of which in a pipeline schedule's stages
         self.peer_ops: dict[str, int] = {}  # ... compared among the wrapper's peers only
         self.generated: dict[str, int] = {}  # ... of which in generate() of its module
+        self.stages: weakref.WeakSet[Any] = weakref.WeakSet()  # pipeline stages built or run
 
     # -- the scope of a random op ----------------------------------------------------------------
 
@@ -224,6 +243,8 @@ class DataParallelTracker:
             self.peer_ops[wrapper.label] = self.peer_ops.get(wrapper.label, 0) + 1
         elif generated:
             self.generated[wrapper.label] = self.generated.get(wrapper.label, 0) + 1
+        elif wrapper.pipeline:
+            self.staged[wrapper.label] = self.staged.get(wrapper.label, 0) + 1
         else:
             self.ops[wrapper.label] = self.ops.get(wrapper.label, 0) + 1
 
@@ -285,6 +306,17 @@ class DataParallelTracker:
         if _GENERATION_MODULE not in self._patched and mixin is not None:
             self._patched.add(_GENERATION_MODULE)
             self._wrap_generate(mixin)
+        stage = getattr(sys.modules.get(_STAGE_MODULE), "_PipelineStageBase", None)
+        if _STAGE_MODULE not in self._patched and stage is not None:
+            self._patched.add(_STAGE_MODULE)
+            self._wrap_stage_init(stage)
+        schedules = sys.modules.get(_PIPELINE_MODULE)
+        if _PIPELINE_MODULE not in self._patched and schedules is not None:
+            self._patched.add(_PIPELINE_MODULE)
+            for name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+                cls = getattr(schedules, name, None)
+                if cls is not None and "step" in vars(cls):
+                    self._wrap_forward(cls, self._pipeline_wrapper, method="step")
 
     def uninstall(self) -> None:
         unwatch, self._unwatch = self._unwatch, None
@@ -367,6 +399,31 @@ class DataParallelTracker:
 
         self._patch(cls, "_zero_init_param", _zero_init_param)
 
+    def _wrap_stage_init(self, cls: Any) -> None:
+        """A pipeline stage (``PipelineStage``, or one ``pipeline()`` split): its module is this
+        rank's own layers, known from here (torchtitan and torch's own example build the stages
+        on the meta device and initialise their weights after)."""
+        original = cls.__init__
+        stages = self.stages
+
+        @functools.wraps(original)
+        def __init__(stage: Any, /, *args: Any, **kwargs: Any) -> None:
+            original(stage, *args, **kwargs)
+            stages.add(stage)
+
+        self._patch(cls, "__init__", __init__)
+
+    def stage_holding(self, parameter: Any) -> str:
+        """The pipeline stage whose module holds ``parameter`` ("pipeline stage 1 of 4"), or
+        ""."""
+        for stage in list(self.stages):
+            try:
+                if any(p is parameter for p in stage.submod.parameters()):
+                    return f"pipeline stage {stage.stage_index} of {stage.num_stages}"
+            except Exception:  # noqa: BLE001 - a stage torch changed: compared, as before
+                log.debug("rngcheck could not read a pipeline stage's module", exc_info=True)
+        return ""
+
     def _wrap_generate(self, cls: Any) -> None:
         """Hugging Face's ``GenerationMixin.generate``: on the module a known wrapper wraps (or on
         a ``fully_shard`` module, its own wrapper), that wrapper is generating until it returns;
@@ -431,9 +488,13 @@ class DataParallelTracker:
         self._patch(cls, "__enter__", __enter__)
         self._patch(cls, "__exit__", __exit__)
 
-    def _wrap_forward(self, cls: Any, describe: Callable[[Any], Wrapper | None]) -> None:
+    def _wrap_forward(
+        self, cls: Any, describe: Callable[[Any], Wrapper | None], method: str = "forward"
+    ) -> None:
+        """The wrapper's ``forward`` (a pipeline schedule's ``step``, which runs its stages'
+        forwards and backwards) runs in the wrapper's scope."""
         # FSDPModule has no forward of its own: the original is the next class's in the MRO.
-        own = vars(cls).get("forward")
+        own = vars(cls).get(method)
         tracker = self
 
         def forward(module: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -460,7 +521,7 @@ class DataParallelTracker:
 
         if own is not None:
             forward = functools.wraps(own)(forward)
-        self._patch(cls, "forward", forward)
+        self._patch(cls, method, forward)
 
     def _register(self, module: Any, wrapper: Wrapper) -> None:
         self._known[module] = wrapper
@@ -481,7 +542,8 @@ class DataParallelTracker:
         ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(args.get("process_group"))
         broadcasts = bool(args.get("init_sync", True))
         module = args["module"]
-        states = _states(module, args.get("broadcast_buffers") is not False) if broadcasts else {}
+        buffers = args.get("broadcast_buffers") is not False
+        states = _states(module, buffers) if broadcasts else _States()
         peers = _peers(module, ranks)
         return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=peers, **states)
 
@@ -499,7 +561,7 @@ class DataParallelTracker:
         else:
             ranks = _mesh_ranks(mesh) if mesh is not None else _group_ranks(group)
         broadcasts = bool(args.get("sync_module_states", False))
-        states = _states(args["module"], True) if broadcasts else {}
+        states = _states(args["module"], True) if broadcasts else _States()
         peers = _peers(args["module"], ranks)
         return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=peers, **states)
 
@@ -510,7 +572,7 @@ class DataParallelTracker:
         # ZeRO-3 made them partitioned at creation (zero.Init), when it never calls this.
         ranks = _group_ranks(getattr(engine, "seq_data_parallel_group", None))
         broadcasts = broadcasting and getattr(engine, "dist_backend", None) is not None
-        states = _states(engine.module, False) if broadcasts else {}
+        states = _states(engine.module, False) if broadcasts else _States()
         # (DeepSpeed's own tensor parallelism holds no DTensors: no peers)
         kind = "DeepSpeedEngine"
         return Wrapper(kind=kind, ranks=ranks, broadcasts=broadcasts, peers=(), **states)
@@ -534,6 +596,20 @@ class DataParallelTracker:
                     ranks = _mesh_ranks(mesh)
                     return Wrapper(kind="fully_shard", ranks=ranks, peers=_peers(module, ranks))
         return None
+
+    def _pipeline_wrapper(self, schedule: Any) -> Wrapper | None:
+        # A schedule runs one stage (PipelineScheduleSingle) or several (Multi: interleaved,
+        # zero bubble) of one pipeline, all over one group; the stage's module may hold DTensor
+        # parameters over a tensor-parallel mesh, whose peers must draw alike.
+        single = getattr(schedule, "_stage", None)
+        stages = [single] if single is not None else list(getattr(schedule, "_stages", ()))
+        if not stages:
+            return None
+        for stage in stages:  # (one built before the mode is known from its schedule's step)
+            self.stages.add(stage)
+        ranks = _group_ranks(getattr(stages[0], "group", None))
+        peers = _peers(stages[0].submod, ranks)
+        return Wrapper(kind=type(schedule).__name__, ranks=ranks, peers=peers, pipeline=True)
 
 
 def _peers(module: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -595,4 +671,4 @@ def _tensor_parallel(model: Any) -> bool:
 def _call(own: Any, cls: Any, module: Any, args: tuple, kwargs: dict) -> Any:
     if own is not None:
         return own(module, *args, **kwargs)
-    return super(cls, module).forward(*args, **kwargs)
+    return super(cls, module).forward(*args, **kwargs)  # (only forward is ever inherited)

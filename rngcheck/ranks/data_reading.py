@@ -99,6 +99,12 @@ SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
     # validation sets, which every rank must draw alike; known before any wrapper is)
     ("torch.utils.data.dataset", "random_split"): SPLITS_A_DATASET,
 }
+# (a module, a function's qualified name in it) -> a sampler that shuffles the whole dataset for
+# this rank alone: no order to split among data-parallel ranks, but one that every stage of a
+# pipeline must walk alike (the first stage reads the inputs, the last the labels)
+SHUFFLING_SAMPLERS: dict[tuple[str, str], str] = {
+    ("torch.utils.data.sampler", "RandomSampler.__iter__"): "torch's RandomSampler",
+}
 # (a module, a function's qualified name in it) -> the dispatcher that reads there, on one rank,
 # the batches of every rank
 DISPATCHERS: dict[tuple[str, str], str] = {
@@ -134,6 +140,7 @@ _HF_SPLIT_LABEL = "Hugging Face datasets' split_dataset_by_node"
 _ENTRIES = {
     **{key: (label, "order") for key, label in SHARDING_SAMPLERS.items()},
     **{key: (label, "dispatcher") for key, label in DISPATCHERS.items()},
+    **{key: (label, "shuffle") for key, label in SHUFFLING_SAMPLERS.items()},
     **{key: ("", kind) for key, kind in FETCHING.items()},
 }
 # Keyed by id(): a code object hashes and compares by its contents (recursively: a module's
@@ -175,6 +182,7 @@ class Reading(NamedTuple):
     order: str = ""  # the sampler splitting among the ranks the order drawn, or random_split
     dispatcher: str = ""  # the dispatcher reading on this rank every rank's batches (Rule 6)
     share: str = ""  # what splits among the ranks the data fetched here for this rank (Rule 7)
+    shuffle: str = ""  # the sampler shuffling the whole dataset for this rank (not splitting it)
 
 
 NOT_READING = Reading()
@@ -195,7 +203,7 @@ def data_reading(skip: int = 0) -> Reading:
     inner: list[FrameType] = []  # the samplers' __iter__ frames below the wrapper's
     order: str | None = None  # the innermost sampler's label ("" with replacement), once met
     fetching = False  # a fetcher's frame is below: the op draws for a batch being read
-    share = ""
+    share = shuffle = ""
     below: FrameType | None = None  # the frame the current one called
     while frame is not None and depth < _MAX_DEPTH:
         code = frame.f_code
@@ -207,6 +215,9 @@ def data_reading(skip: int = 0) -> Reading:
             if kind == "order":
                 if order is None:
                     order = "" if any(_with_replacement(f) for f in inner) else label
+            elif kind == "shuffle":
+                if order is None and not shuffle and not _with_replacement(frame):
+                    shuffle = label
             elif kind == "fetch":
                 # (an order drawn in the stream under it is Rule 5's, any stream draw not ours)
                 fetching = order is None and not _iterating(frame, below)
@@ -216,7 +227,9 @@ def data_reading(skip: int = 0) -> Reading:
             inner.append(frame)
         below, frame = frame, frame.f_back
         depth += 1
-    return Reading(order=order or "", share=share) if order or share else NOT_READING
+    if order or share or shuffle:
+        return Reading(order=order or "", share=share, shuffle=shuffle)
+    return NOT_READING
 
 
 _SPLIT_FILE = "torch/utils/data/dataset.py"

@@ -21,6 +21,9 @@ __all__ = [
     "Uncompared",
     "DATA_PARALLEL_WHY",
     "DISPATCHED_WHY",
+    "PIPELINE_ORDER",
+    "PIPELINE_WHY",
+    "STAGE_INIT_WHY",
     "GENERATE_WHY",
     "GATHERED_WHY",
     "SAMPLED_WHY",
@@ -542,9 +545,16 @@ def _split_order(e: _StateEvidence) -> str:
         why = f"{moved[1]}, and it differs across ranks from there"
     else:
         why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
-    what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=e.gen)
+    what = _order_what(order, e.gen)
     advice = _order_advice(order, seeded)
     return f"{what} Why {e.gen} differs: {why}. {advice}{seed_alike}"
+
+
+def _order_what(order: str, gen: str) -> str:
+    """What the sampler named ``order`` does with the order the ranks drew from ``gen`` apart."""
+    if order.endswith(PIPELINE_ORDER):
+        return _PIPELINE_SHUFFLE.format(order=order.removesuffix(PIPELINE_ORDER), gen=gen)
+    return _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=gen)
 
 
 def _order_advice(order: str, seeded: RandomOpEvent | None) -> str:
@@ -574,6 +584,12 @@ _SPLITS_ORDER = (
     "{order} splits one order of the dataset among the ranks, and the ranks drew that order "
     "from {gen} in different states: each rank takes its share of a different order, so this "
     "pass over the data gives some samples to two ranks and others to none."
+)
+_PIPELINE_SHUFFLE = (
+    "{order} shuffles the dataset on every stage of a pipeline, and the stages must walk one "
+    "order (the first stage reads the inputs, the last the labels), but the ranks drew this "
+    "pass's order from {gen} in different states: the stages read different samples, so the "
+    "loss pairs the outputs of one sample with the labels of another."
 )
 _STREAM = (
     "{order} has every rank iterate the whole stream and keep its share of each global batch, "
@@ -619,7 +635,7 @@ def pass_order_finding(
     compared it); ``seeds``: the smallest and the largest initial seed of the first draw's
     generator across the ranks (``step_digest.seed_value``)."""
     gen = event.generator.label if event is not None else "its generator"
-    what = _ORDER_WHAT.get(order, _SPLITS_ORDER).format(order=order, gen=gen)
+    what = _order_what(order, gen)
     seeded = seeds_said(*seeds)
     if seeded:
         why = f"it is seeded differently on each rank ({seeded})"
@@ -893,6 +909,10 @@ def reseeded_by_user(event: RandomOpEvent) -> bool:
 
 
 DATA_PARALLEL_WHY = "in the data-parallel forward/backward of "  # an Uncompared's why (Rule 2)
+PIPELINE_WHY = "in the pipeline stages run by "  # ... Rule 2's, a pipeline schedule's step
+# ... and Rule 5's, a shuffle every stage of a pipeline must walk alike (after the sampler's name)
+PIPELINE_ORDER = " in a pipeline"
+STAGE_INIT_WHY = "initialising a parameter of "  # ... Rule 4's, a pipeline stage's own layers
 DISPATCHED_WHY = "reading every rank's batches alone for "  # ... and Rule 6's
 GENERATE_WHY = "in generate() of the module wrapped by "  # ... Rule 2's, sampling
 SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7's
@@ -1015,6 +1035,11 @@ def _own_batch(why: str) -> str:
     if why.startswith(DATA_PARALLEL_WHY):
         wrapper = why.removeprefix(DATA_PARALLEL_WHY)
         return f"in the forward and backward of {wrapper} (each rank's own batch shapes)"
+    if why.startswith(PIPELINE_WHY):
+        schedule = why.removeprefix(PIPELINE_WHY)
+        return f"in the pipeline stages {schedule} runs (each rank's own layers)"
+    if why.startswith(STAGE_INIT_WHY):
+        return f"initialising the parameters of {why.removeprefix(STAGE_INIT_WHY)} (its own)"
     if why.startswith(GENERATE_WHY):
         wrapper = why.removeprefix(GENERATE_WHY)
         return f"in generate() of the module {wrapper} wraps (each rank's own inputs)"

@@ -1,0 +1,290 @@
+"""Pipeline parallelism on real gloo groups with torch's own pipelining (PipelineStage, GPipe,
+1F1B, interleaved 1F1B): each rank runs its own stages' layers, so what they draw differs by
+design, and their sends and receives are no alignment point of the group.
+
+Quiet, because it is correct: stages built on the meta device and initialised after (torchtitan's
+order and torch's own example), or cut from one model built alike; at the op level and at the
+step level; over 2 stages and over 4 (where the middle stages send and receive twice as often
+as the ends), with training bitwise equal to a run without the mode. Found, because it is wrong:
+a rank that draws an extra number from the data generator every rank shares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import pytest
+import torch
+from _dist import scenario_mode
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+_HERE = __file__
+_D = 16
+
+
+def _block() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(_D, _D), torch.nn.GELU(), torch.nn.Dropout(0.1))
+
+
+def _stage_module(stage: int, stages: int, per: int) -> torch.nn.Module:
+    """A stage's own layers: an input layer on the first stage, a norm and a head on the last."""
+    parts = [torch.nn.Linear(_D, _D)] if stage == 0 else []
+    parts += [_block() for _ in range(per)]
+    if stage == stages - 1:
+        parts += [torch.nn.LayerNorm(_D), torch.nn.Linear(_D, _D, bias=False)]
+    return torch.nn.Sequential(*parts)
+
+
+def _train(
+    rank: int,
+    world: int,
+    schedule: str,
+    init: str,
+    steps: int,
+    extra_draw_from: int | None,
+    loader: str = "",
+) -> str:
+    """Train a pipeline of ``world`` ranks for ``steps`` steps; a digest of this rank's
+    parameters. ``init``: "meta" (each rank builds its stages on the meta device, makes them
+    PipelineStages, then initialises their weights: different ops on every rank) or "cut" (every
+    rank builds the whole model alike and keeps its stages). ``extra_draw_from``: from that step
+    on, rank 1 draws one extra number from the data generator each step (the bug). ``loader``:
+    "default", the batches come from a shuffling DataLoader whose order is drawn from the
+    default generator (which the stages' own draws moved apart: the bug), "shared" from one
+    given a generator seeded alike."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    torch.manual_seed(0)
+    per_rank = 2 if schedule == "interleaved" else 1
+    stages = world * per_rank
+    per = 4 // per_rank if world == 2 else 1
+    mine = [rank + k * world for k in range(per_rank)]  # looped placement
+    if init == "meta":
+        with torch.device("meta"):
+            modules = [_stage_module(s, stages, per) for s in mine]
+    else:
+        whole = [_stage_module(s, stages, per) for s in range(stages)]
+        modules = [whole[s] for s in mine]
+    cpu = torch.device("cpu")
+    built = [PipelineStage(m, s, stages, cpu) for m, s in zip(modules, mine, strict=True)]
+    if init == "meta":
+        for m in modules:
+            m.to_empty(device="cpu")
+            with torch.no_grad():
+                for sub in m.modules():
+                    if hasattr(sub, "reset_parameters"):
+                        sub.reset_parameters()
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).square().mean()
+
+    if schedule == "gpipe":
+        run = ScheduleGPipe(built[0], n_microbatches=4, loss_fn=loss_fn)
+    elif schedule == "1f1b":
+        run = Schedule1F1B(built[0], n_microbatches=4, loss_fn=loss_fn)
+    else:
+        run = ScheduleInterleaved1F1B(built, n_microbatches=4, loss_fn=loss_fn)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    data = torch.Generator().manual_seed(1)  # every rank draws the same batches
+    first, last = 0 in mine, stages - 1 in mine
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(32, _D, generator=data), torch.randn(32, _D, generator=data)
+    )
+    shared = torch.Generator().manual_seed(2) if loader == "shared" else None
+    batches = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, generator=shared)
+    read = iter(())
+    for step in range(steps):
+        if loader:
+            batch = next(read, None)
+            if batch is None:  # a new pass over the data: a new order
+                read = iter(batches)
+                batch = next(read)
+            x, y = batch
+        else:
+            x = torch.randn(8, _D, generator=data)
+            y = torch.randn(8, _D, generator=data)
+        if extra_draw_from is not None and rank == 1 and step >= extra_draw_from:
+            torch.rand(1, generator=data)  # the bug: this rank's data stream moves ahead
+        opt.zero_grad()
+        if first and last:
+            run.step(x, target=y, losses=[])
+        elif first:
+            run.step(x)
+        elif last:
+            run.step(target=y, losses=[])
+        else:
+            run.step()
+        opt.step()
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _scenario(
+    rank: int,
+    world: int,
+    schedule: str,
+    init: str = "meta",
+    steps: int = 4,
+    extra_draw_from: int | None = None,
+    loader: str = "",
+    **mode: Any,
+) -> dict[str, Any]:
+    plain = _train(rank, world, schedule, init, steps, extra_draw_from, loader)
+    with scenario_mode(on_finding="record", **mode) as checked:
+        digest = _train(rank, world, schedule, init, steps, extra_draw_from, loader)
+    report = checked.report
+    return {
+        "findings": [
+            {"kind": f.kind.value, "op": f.op, "site": f.site, "cause": f.cause}
+            for f in report.findings
+        ],
+        "notes": [n.message for n in report.notes],
+        "random_ops": report.random_ops,
+        "bitwise": digest == plain,
+    }
+
+
+def gpipe_stages_built_on_meta(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe")
+
+
+def one_f_one_b_cut_from_one_model(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "1f1b", init="cut")
+
+
+def interleaved_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "interleaved", steps=12, level="step")
+
+
+def gpipe_rank_1_draws_extra_data(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe", extra_draw_from=2)
+
+
+def one_f_one_b_rank_1_draws_extra_data_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "1f1b", steps=40, extra_draw_from=3, level="step")
+
+
+def gpipe_shuffled_from_the_default_generator(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe", steps=6, loader="default")
+
+
+def gpipe_shuffled_from_a_shared_generator(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe", steps=6, loader="shared")
+
+
+def gpipe_over_four_stages(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe")
+
+
+SCENARIOS = [
+    "gpipe_stages_built_on_meta",
+    "one_f_one_b_cut_from_one_model",
+    "interleaved_at_the_step_level",
+    "gpipe_rank_1_draws_extra_data",
+    "one_f_one_b_rank_1_draws_extra_data_at_the_step_level",
+    "gpipe_shuffled_from_the_default_generator",
+    "gpipe_shuffled_from_a_shared_generator",
+]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    return run_scenarios(
+        _HERE, SCENARIOS, world_size=2, out_dir=tmp_path_factory.mktemp("pp"), timeout=300
+    )
+
+
+def _results(run: Any, name: str) -> dict[int, dict[str, Any]]:
+    results = run[name]
+    for r in results.values():
+        assert "error" not in r, r.get("traceback")
+    return results
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpipe_stages_built_on_meta",
+        "one_f_one_b_cut_from_one_model",
+        "interleaved_at_the_step_level",
+        "gpipe_shuffled_from_a_shared_generator",
+    ],
+)
+def test_correct_pipeline_training_is_quiet_and_unchanged(two: Any, name: str) -> None:
+    for rank, r in _results(two, name).items():
+        assert not r["findings"], (rank, r["findings"])
+        assert r["random_ops"] > 0
+        assert r["bitwise"], rank
+
+
+def test_what_each_stage_draws_is_said_as_its_own(two: Any) -> None:
+    """Each rank's stages draw for their own layers, and each rank initialises its own stages'
+    weights (other ops on every rank): both are said, per rank, in the notes."""
+    for rank, r in _results(two, "gpipe_stages_built_on_meta").items():
+        text = "\n".join(r["notes"])
+        assert "random op(s) in the pipeline stages ScheduleGPipe over ranks 0-1 runs" in text, (
+            rank,
+            text,
+        )
+        assert f"parameter initialisation(s) of pipeline stage {rank} of 2" in text, (rank, text)
+
+
+def test_a_rank_drawing_extra_data_is_found_at_its_line(two: Any) -> None:
+    results = _results(two, "gpipe_rank_1_draws_extra_data")
+    for rank, r in results.items():
+        assert len(r["findings"]) >= 1, (rank, r)
+        first = r["findings"][0]
+        assert first["kind"] == "rank_divergence", first
+        assert first["op"] == "aten.rand.generator", first
+        assert "rank 1 ran an extra random op" in first["cause"], first
+
+
+def test_a_recurring_extra_draw_is_found_at_the_step_level(two: Any) -> None:
+    results = _results(two, "one_f_one_b_rank_1_draws_extra_data_at_the_step_level")
+    for rank, r in results.items():
+        ops = [f["op"] for f in r["findings"]]
+        assert "aten.rand.generator" in ops, (rank, r["findings"])
+
+
+def test_stages_shuffling_their_data_apart_is_found_at_the_shuffle(two: Any) -> None:
+    """A shuffling DataLoader without a generator draws each pass's order from the default
+    generator, which each stage's own initialisation and dropout moved apart: the first stage
+    feeds one order of samples, the last computes the loss against the labels of another.
+    Without a pipeline known this was "a per-rank stream" in a note."""
+    for rank, r in _results(two, "gpipe_shuffled_from_the_default_generator").items():
+        assert r["findings"], (rank, r)
+        first = r["findings"][0]
+        assert first["kind"] == "rank_divergence", first
+        assert "shuffles the dataset on every stage of a pipeline" in first["cause"], first
+        assert "initialising the parameters of pipeline stage" in first["cause"], first
+
+
+def test_four_stages_send_and_receive_without_aligning_on_it(tmp_path: Any) -> None:
+    """Over 4 stages the middle ones send and receive twice as often as the ends: when every
+    send and receive was an alignment point, the ranks waited for each other in different
+    exchanges until the timeout (a false rank_missing: after 30 s here, 30 minutes by
+    default)."""
+    from _dist import run_scenarios
+
+    run = run_scenarios(
+        _HERE,
+        ["gpipe_over_four_stages"],
+        world_size=4,
+        out_dir=tmp_path,
+        timeout=240,
+    )
+    for rank, r in _results(run, "gpipe_over_four_stages").items():
+        assert not r["findings"], (rank, r["findings"])
+        assert r["bitwise"], rank
