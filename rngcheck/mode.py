@@ -767,7 +767,7 @@ class RNGConsistencyMode:
         if kind is OpKind.RANDOM:
             return self._on_random(func, args, kwargs)
         if self._ranks is not None:
-            self._ranks.on_collective(func)
+            self._ranks.on_collective(func, args)
         return func(*args, **kwargs)
 
     def _tracked(self, args: tuple, kwargs: dict, device: torch.device) -> Any:

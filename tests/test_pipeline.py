@@ -186,6 +186,63 @@ def gpipe_over_four_stages(rank: int, world: int) -> dict[str, Any]:
     return _scenario(rank, world, "gpipe")
 
 
+def _train_fully_sharded_stages(rank: int) -> str:
+    """torchtitan's layout on 4 ranks: a (pp=2, dp=2) mesh; each rank builds its stage on the
+    meta device, shards it with fully_shard over its data-parallel ranks, makes it a
+    PipelineStage over its pipeline ranks, then initialises its weights; each data-parallel
+    replica reads its own share (DistributedSampler over dp). Returns a digest of this rank's
+    shards after two epochs of 1F1B."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    with torch.device("meta"):
+        module = _stage_module(stage, 2, 2)
+    fully_shard(module, mesh=mesh["dp"])
+    built = PipelineStage(module, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    module.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for sub in module.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+    run = Schedule1F1B(built, n_microbatches=2, loss_fn=lambda o, t: (o - t).square().mean())
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(1)
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(32, _D, generator=data), torch.randn(32, _D, generator=data)
+    )
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=dp, seed=3)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            if stage == 0:
+                run.step(x)
+            else:
+                run.step(target=y, losses=[])
+            opt.step()
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.to_local().detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fully_sharded_stages_over_four_ranks(rank: int, world: int) -> dict[str, Any]:
+    plain = _train_fully_sharded_stages(rank)
+    with scenario_mode() as checked:
+        digest = _train_fully_sharded_stages(rank)
+    report = checked.report
+    return {
+        "findings": [{"kind": f.kind.value, "cause": f.cause} for f in report.findings],
+        "random_ops": report.random_ops,
+        "bitwise": digest == plain,
+    }
+
+
 SCENARIOS = [
     "gpipe_stages_built_on_meta",
     "one_f_one_b_cut_from_one_model",
@@ -271,20 +328,35 @@ def test_stages_shuffling_their_data_apart_is_found_at_the_shuffle(two: Any) -> 
         assert "initialising the parameters of pipeline stage" in first["cause"], first
 
 
-def test_four_stages_send_and_receive_without_aligning_on_it(tmp_path: Any) -> None:
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _dist import run_scenarios
+
+    return run_scenarios(
+        _HERE,
+        ["gpipe_over_four_stages", "fully_sharded_stages_over_four_ranks"],
+        world_size=4,
+        out_dir=tmp_path_factory.mktemp("pp4"),
+        timeout=300,
+    )
+
+
+def test_four_stages_send_and_receive_without_aligning_on_it(four: Any) -> None:
     """Over 4 stages the middle ones send and receive twice as often as the ends: when every
     send and receive was an alignment point, the ranks waited for each other in different
     exchanges until the timeout (a false rank_missing: after 30 s here, 30 minutes by
     default)."""
-    from _dist import run_scenarios
-
-    run = run_scenarios(
-        _HERE,
-        ["gpipe_over_four_stages"],
-        world_size=4,
-        out_dir=tmp_path,
-        timeout=240,
-    )
-    for rank, r in _results(run, "gpipe_over_four_stages").items():
+    for rank, r in _results(four, "gpipe_over_four_stages").items():
         assert not r["findings"], (rank, r["findings"])
+        assert r["bitwise"], rank
+
+
+def test_fully_sharded_stages_are_quiet_and_unchanged(four: Any) -> None:
+    """torchtitan's layout: fully_shard's all-gathers run over each stage's data-parallel ranks
+    while the other stage's ranks wait to receive, and each stage initialises its own shards
+    (DTensors over its own mesh). When a collective over a subgroup was an alignment point of
+    all four ranks, they waited for each other until the timeout."""
+    for rank, r in _results(four, "fully_sharded_stages_over_four_ranks").items():
+        assert not r["findings"], (rank, r["findings"])
+        assert r["random_ops"] > 0
         assert r["bitwise"], rank

@@ -97,6 +97,7 @@ __all__ = ["RankChecker"]
 
 log = logging.getLogger(__name__)
 
+_PROCESS_GROUP = dist.ProcessGroup  # (a collective's group, unboxed from its op's arguments)
 _MAX_INIT = 100_000  # parameter initialisations kept for the settle point
 _PASSES_KEPT = 64  # passes over the data whose first order draw is kept, for a finding
 
@@ -251,6 +252,7 @@ class RankChecker:
         self._init_settled = False
         self._broadcast_inits: dict[str, int] = {}  # wrapper label -> initialisations it covered
         self._stage_inits: dict[str, int] = {}  # pipeline stage -> its own initialisations
+        self._spans: dict[str, bool] = {}  # process group name -> it holds every rank here
         self._replaced_inits = 0  # initialisations of parameters gone by the settle point
         self._held: list[Finding] = []  # per-rank seeding seen before the program was known DP
         # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
@@ -286,13 +288,7 @@ class RankChecker:
                 self._pass_draw(event)
             return
         why, order, call, peers, across = self._judge(event, mesh)
-        if (
-            not why
-            and mesh is None
-            and written is not None
-            and self._dp.stages
-            and not self._init_settled
-        ):
+        if not why and written is not None and self._dp.stages and not self._init_settled:
             why = self._stage_init(event, written)
         if why:
             with self._lock:
@@ -403,10 +399,31 @@ class RankChecker:
         """The DeviceMesh a random op runs over (a DTensor op), or None."""
         return op_mesh(args, kwargs)
 
-    def on_collective(self, func: Any) -> None:
+    def on_collective(self, func: Any, args: tuple = ()) -> None:
         self._dp.refresh()
-        if self._checking:
+        if self._checking and self._spans_domain(args):
             self._exchange(Point.COLLECTIVE, str(func))
+
+    def _spans_domain(self, args: tuple) -> bool:
+        """Whether a collective (its op's ``args``) runs over every rank this checker exchanges
+        with. One over a subgroup (a data-parallel group beside pipeline stages, a
+        tensor-parallel group) runs on its ranks only, while the others send, receive or
+        compute: waiting for them there would hang until the timeout. True when the op names
+        no process group."""
+        for arg in args:
+            if not isinstance(arg, torch.ScriptObject):
+                continue
+            try:
+                group = _PROCESS_GROUP.unbox(arg)
+            except RuntimeError:  # another kind of object (a ReduceOp)
+                continue
+            name = group.group_name
+            spans = self._spans.get(name)
+            if spans is None:
+                ranks = set(dist.get_process_group_ranks(group))
+                spans = self._spans[name] = ranks.issuperset(self._domain)
+            return spans
+        return True
 
     def check(self) -> None:
         self._settle_due()
@@ -605,8 +622,9 @@ class RankChecker:
 
     def _stage_init(self, event: RandomOpEvent, written: Any) -> str:
         """Rule 4, pipelines: the initialisation of a parameter of a pipeline stage this rank
-        holds is the stage's own (each rank initialises its own layers, in amounts of its own);
-        "" for any other op."""
+        holds is the stage's own (each rank initialises its own layers, in amounts of its own),
+        a DTensor's too (``fully_shard`` over each stage's data-parallel ranks: the stages'
+        meshes differ, and so do their initialisations); "" for any other op."""
         if not isinstance(written, torch.nn.Parameter) or current_expectation() is not None:
             return ""
         stage = self._dp.stage_holding(written)

@@ -599,8 +599,9 @@ class DataParallelTracker:
 
     def _pipeline_wrapper(self, schedule: Any) -> Wrapper | None:
         # A schedule runs one stage (PipelineScheduleSingle) or several (Multi: interleaved,
-        # zero bubble) of one pipeline, all over one group; the stage's module may hold DTensor
-        # parameters over a tensor-parallel mesh, whose peers must draw alike.
+        # zero bubble) of one pipeline, all over one group. No peers: the DTensor meshes of a
+        # stage's module do not tell the ranks that share its microbatches (tensor parallel)
+        # from those that train on other batches (fully_shard over a data-parallel dimension).
         single = getattr(schedule, "_stage", None)
         stages = [single] if single is not None else list(getattr(schedule, "_stages", ()))
         if not stages:
@@ -608,8 +609,7 @@ class DataParallelTracker:
         for stage in stages:  # (one built before the mode is known from its schedule's step)
             self.stages.add(stage)
         ranks = _group_ranks(getattr(stages[0], "group", None))
-        peers = _peers(stages[0].submod, ranks)
-        return Wrapper(kind=type(schedule).__name__, ranks=ranks, peers=peers, pipeline=True)
+        return Wrapper(kind=type(schedule).__name__, ranks=ranks, pipeline=True)
 
 
 def _peers(module: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:

@@ -20,7 +20,9 @@ The rules the code relies on, cited as "P1" to "P6" where it does:
   settled at the next exchange point, so round r is settled at the same place in every rank's
   sequence of side-group collectives.
 - **P3** Collectives, ``check()`` and exit settle their own round before returning: no rank walks
-  into the program's own collective while a mismatch the others will report is unknown.
+  into the program's own collective while a mismatch the others will report is unknown. Only
+  collectives over every rank of the checker's group are exchange points: one over a subgroup
+  runs on its members alone, a send or receive on two ranks.
 - **P4** Streams over part of the group are checked after the whole-group vector agreed, in one
   order every rank shares (sorted by members, then stream), followed by one flag all-reduce so the
   whole group agrees on whether to gather.
