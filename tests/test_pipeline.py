@@ -99,7 +99,12 @@ def _train(
         torch.randn(32, _D, generator=data), torch.randn(32, _D, generator=data)
     )
     shared = torch.Generator().manual_seed(2) if loader == "shared" else None
-    batches = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True, generator=shared)
+    sampler = None
+    if loader == "weighted":  # (draws with replacement: still one order for every stage)
+        sampler = torch.utils.data.WeightedRandomSampler(torch.ones(32), num_samples=32)
+    batches = torch.utils.data.DataLoader(
+        dataset, batch_size=8, shuffle=sampler is None, sampler=sampler, generator=shared
+    )
     read = iter(())
     for step in range(steps):
         if loader:
@@ -178,6 +183,10 @@ def gpipe_shuffled_from_the_default_generator(rank: int, world: int) -> dict[str
     return _scenario(rank, world, "gpipe", steps=6, loader="default")
 
 
+def gpipe_sampled_with_weights_from_the_default_generator(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, world, "gpipe", steps=6, loader="weighted")
+
+
 def gpipe_shuffled_from_a_shared_generator(rank: int, world: int) -> dict[str, Any]:
     return _scenario(rank, world, "gpipe", steps=6, loader="shared")
 
@@ -251,6 +260,7 @@ SCENARIOS = [
     "one_f_one_b_rank_1_draws_extra_data_at_the_step_level",
     "gpipe_shuffled_from_the_default_generator",
     "gpipe_shuffled_from_a_shared_generator",
+    "gpipe_sampled_with_weights_from_the_default_generator",
 ]
 
 
@@ -315,16 +325,26 @@ def test_a_recurring_extra_draw_is_found_at_the_step_level(two: Any) -> None:
         assert "aten.rand.generator" in ops, (rank, r["findings"])
 
 
-def test_stages_shuffling_their_data_apart_is_found_at_the_shuffle(two: Any) -> None:
-    """A shuffling DataLoader without a generator draws each pass's order from the default
+@pytest.mark.parametrize(
+    ("name", "sampler"),
+    [
+        ("gpipe_shuffled_from_the_default_generator", "RandomSampler"),
+        ("gpipe_sampled_with_weights_from_the_default_generator", "WeightedRandomSampler"),
+    ],
+)
+def test_stages_sampling_their_data_apart_is_found_at_the_sampler(
+    two: Any, name: str, sampler: str
+) -> None:
+    """A DataLoader's sampler without a generator draws each pass's order from the default
     generator, which each stage's own initialisation and dropout moved apart: the first stage
     feeds one order of samples, the last computes the loss against the labels of another.
-    Without a pipeline known this was "a per-rank stream" in a note."""
-    for rank, r in _results(two, "gpipe_shuffled_from_the_default_generator").items():
+    Without a pipeline known this was "a per-rank stream" in a note (RandomSampler), or a row
+    compared by what runs only (WeightedRandomSampler, which draws with replacement)."""
+    for rank, r in _results(two, name).items():
         assert r["findings"], (rank, r)
         first = r["findings"][0]
         assert first["kind"] == "rank_divergence", first
-        assert "shuffles the dataset on every stage of a pipeline" in first["cause"], first
+        assert f"torch's {sampler} samples the dataset on every stage" in first["cause"], first
         assert "initialising the parameters of pipeline stage" in first["cause"], first
 
 

@@ -99,11 +99,16 @@ SHARDING_SAMPLERS: dict[tuple[str, str], str] = {
     # validation sets, which every rank must draw alike; known before any wrapper is)
     ("torch.utils.data.dataset", "random_split"): SPLITS_A_DATASET,
 }
-# (a module, a function's qualified name in it) -> a sampler that shuffles the whole dataset for
-# this rank alone: no order to split among data-parallel ranks, but one that every stage of a
-# pipeline must walk alike (the first stage reads the inputs, the last the labels)
+# (a module, a function's qualified name in it) -> a sampler that draws this rank's order of the
+# whole dataset alone: no order to split among data-parallel ranks, but one that every stage of a
+# pipeline must walk alike (the first stage reads the inputs, the last the labels), with
+# replacement or without
 SHUFFLING_SAMPLERS: dict[tuple[str, str], str] = {
     ("torch.utils.data.sampler", "RandomSampler.__iter__"): "torch's RandomSampler",
+    ("torch.utils.data.sampler", "SubsetRandomSampler.__iter__"): "torch's SubsetRandomSampler",
+    ("torch.utils.data.sampler", "WeightedRandomSampler.__iter__"): (
+        "torch's WeightedRandomSampler"
+    ),
 }
 # (a module, a function's qualified name in it) -> the dispatcher that reads there, on one rank,
 # the batches of every rank
@@ -182,7 +187,7 @@ class Reading(NamedTuple):
     order: str = ""  # the sampler splitting among the ranks the order drawn, or random_split
     dispatcher: str = ""  # the dispatcher reading on this rank every rank's batches (Rule 6)
     share: str = ""  # what splits among the ranks the data fetched here for this rank (Rule 7)
-    shuffle: str = ""  # the sampler shuffling the whole dataset for this rank (not splitting it)
+    shuffle: str = ""  # the sampler drawing this rank's order of the whole dataset (not a share)
 
 
 NOT_READING = Reading()
@@ -216,7 +221,7 @@ def data_reading(skip: int = 0) -> Reading:
                 if order is None:
                     order = "" if any(_with_replacement(f) for f in inner) else label
             elif kind == "shuffle":
-                if order is None and not shuffle and not _with_replacement(frame):
+                if order is None and not shuffle:
                     shuffle = label
             elif kind == "fetch":
                 # (an order drawn in the stream under it is Rule 5's, any stream draw not ours)

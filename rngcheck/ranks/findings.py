@@ -586,7 +586,7 @@ _SPLITS_ORDER = (
     "pass over the data gives some samples to two ranks and others to none."
 )
 _PIPELINE_SHUFFLE = (
-    "{order} shuffles the dataset on every stage of a pipeline, and the stages must walk one "
+    "{order} samples the dataset on every stage of a pipeline, and the stages must walk one "
     "order (the first stage reads the inputs, the last the labels), but the ranks drew this "
     "pass's order from {gen} in different states: the stages read different samples, so the "
     "loss pairs the outputs of one sample with the labels of another."
