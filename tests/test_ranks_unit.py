@@ -520,6 +520,41 @@ class _Recording(torch.utils.data.Sampler):
         return iter(range(self.n))
 
 
+def test_torchs_own_samplers_with_replacement_under_a_splitting_one_are_no_order() -> None:
+    """torch's RandomSampler and WeightedRandomSampler are known by their own code (a pipeline's
+    stages must walk their orders alike): under a sampler that splits an order among the ranks
+    they still draw no order when they draw with replacement, and one without; and they say
+    what drew, for a pipeline."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rngcheck.ranks.data_reading import data_reading
+
+    accelerate = pytest.importorskip("accelerate.data_loader")
+    seen: list[tuple[bool, str, str]] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                reading = data_reading()
+                seen.append((replacement, reading.order, reading.shuffle))
+            return func(*args, **(kwargs or {}))
+
+    for replacement in (True, False):
+        for sampler in (
+            torch.utils.data.RandomSampler(range(4), replacement=replacement),
+            torch.utils.data.WeightedRandomSampler([1.0] * 4, 4, replacement=replacement),
+        ):
+            batches = torch.utils.data.BatchSampler(sampler, batch_size=2, drop_last=False)
+            with Reads():
+                list(accelerate.BatchSamplerShard(batches, num_processes=2, process_index=0))
+    shard = "accelerate's BatchSamplerShard"
+    assert {(r, order) for r, order, _ in seen} == {(True, ""), (False, shard)}, seen
+    assert {shuffle for *_, shuffle in seen} == {
+        "torch's RandomSampler",
+        "torch's WeightedRandomSampler",
+    }, seen
+
+
 def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_it() -> None:
     """Rule 5 knows the real wrappers (accelerate's, Lightning's) by the function that walks
     the inner sampler's order; the same sampler iterated on its own, or by a plain BatchSampler

@@ -221,8 +221,9 @@ def data_reading(skip: int = 0) -> Reading:
                 if order is None:
                     order = "" if any(_with_replacement(f) for f in inner) else label
             elif kind == "shuffle":
-                if order is None and not shuffle:
-                    shuffle = label
+                if order is None:
+                    inner.append(frame)  # (under a splitting sampler: with replacement or not)
+                    shuffle = shuffle or label
             elif kind == "fetch":
                 # (an order drawn in the stream under it is Rule 5's, any stream draw not ours)
                 fetching = order is None and not _iterating(frame, below)
