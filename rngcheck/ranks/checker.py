@@ -38,6 +38,7 @@ from .data_reading import (
     DISPATCHER_MODULES,
     NOT_READING,
     SPLITS_A_DATASET,
+    Reading,
     data_reading,
     drawn_by_random_split,
 )
@@ -362,9 +363,7 @@ class RankChecker:
         ):
             return
         reading = data_reading()
-        order = reading.order
-        if not order and reading.shuffle and self._dp.stages:
-            order = f"{reading.shuffle}{PIPELINE_ORDER}"
+        order = reading.order or self._pipeline_order(reading)
         if not order or order == SPLITS_A_DATASET:  # (a split is no pass's order)
             return
         with self._lock:
@@ -575,8 +574,7 @@ class RankChecker:
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-                why = PIPELINE_WHY if wrapper.pipeline else DATA_PARALLEL_WHY
-                return self._own_batch(wrapper, why)
+                return self._own_batch(wrapper, DATA_PARALLEL_WHY)
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
                 return self._own_batch(wrapper, GENERATE_WHY)
@@ -603,10 +601,7 @@ class RankChecker:
             why = f"{DISPATCHED_WHY}{reading.dispatcher}"
             self._read_alone[why] = self._read_alone.get(why, 0) + 1
             return _Judged(why, "", "")
-        order = reading.order if self._dp.wrappers else ""
-        if not order and reading.shuffle and self._dp.stages:
-            # (Rule 5, pipelines: every stage reads the same batches; its shuffle must agree)
-            order = f"{reading.shuffle}{PIPELINE_ORDER}"
+        order = (reading.order if self._dp.wrappers else "") or self._pipeline_order(reading)
         if reading.order == SPLITS_A_DATASET:
             # (a dataset's split also before any wrapper is built; but not from a generator the
             # ranks are known to seed apart on purpose (Rule 3): a rank may split alone there)
@@ -622,6 +617,12 @@ class RankChecker:
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return _Judged("on a per-rank stream", "", "")
         return _Judged("", order, "") if order else _COMPARED
+
+    def _pipeline_order(self, reading: Reading) -> str:
+        """Rule 5, pipelines: the order a sampler drew for this rank alone, in a program that
+        built a pipeline stage (every stage reads the same batches, so it must agree); ""
+        otherwise."""
+        return f"{reading.shuffle}{PIPELINE_ORDER}" if reading.shuffle and self._dp.stages else ""
 
     def _stage_init(self, event: RandomOpEvent, written: Any) -> str:
         """Rule 4, pipelines: the initialisation of a parameter of a pipeline stage this rank
@@ -660,13 +661,15 @@ class RankChecker:
         members = self._groups.members(None, mesh)
         if not peers or members is None or not set(members) <= set(peers):
             return _COMPARED
-        return self._own_batch(wrapper, PIPELINE_WHY if wrapper.pipeline else DATA_PARALLEL_WHY)
+        return self._own_batch(wrapper, DATA_PARALLEL_WHY)
 
     def _own_batch(self, wrapper: Wrapper, why: str) -> _Judged:
         """Rule 2: an op of the wrapper's forward/backward (``why``: DATA_PARALLEL_WHY; a
         pipeline schedule's step, PIPELINE_WHY) or of generate() on its module (GENERATE_WHY),
         this rank's own across the wrapper's group;
         compared among its tensor-parallel peers, if it has any."""
+        if wrapper.pipeline and why == DATA_PARALLEL_WHY:
+            why = PIPELINE_WHY
         peers = self._peers_of(wrapper)
         self._dp.count(wrapper, generated=why == GENERATE_WHY, peers=bool(peers))
         if peers:  # ... compared among the ranks that share this rank's batch
