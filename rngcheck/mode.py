@@ -483,7 +483,10 @@ class RNGConsistencyMode:
                 self._inferred.on_step()
             if self._ranks is not None:
                 self._ranks.on_step(optimizer)
-            if self._schedule is not None and interceptor is not None:
+            # (a step after a rank ran out of inputs in torch's Join counts on no rank: the
+            # ranks' schedules stay the same, and it runs at the level it began at)
+            apart = self._ranks is not None and self._ranks.apart
+            if self._schedule is not None and interceptor is not None and not apart:
                 self._next_step(self._schedule, interceptor)
             if self._held is not None:  # last: its findings may raise
                 self._held.step_ended(len(self._step_ends), ran_op_by_op)

@@ -93,6 +93,13 @@ class DistRun:
             )
         return self.results[name]
 
+    def ok(self, name: str) -> dict[int, Any]:
+        """The per-rank results of ``name``, failing the test on a rank whose scenario raised."""
+        results = self[name]
+        for r in results.values():
+            assert "error" not in r, r.get("traceback")
+        return results
+
 
 def run_scenarios(
     module_path: str | os.PathLike[str],

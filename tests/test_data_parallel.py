@@ -1286,13 +1286,6 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
-def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
-    results = two[name]
-    for r in results.values():
-        assert "error" not in r, r.get("traceback")
-    return results
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -1316,7 +1309,7 @@ def _results(two: Any, name: str) -> dict[int, dict[str, Any]]:
     ],
 )
 def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
 
@@ -1334,7 +1327,7 @@ def test_per_rank_streams_may_draw_per_rank_shapes_and_amounts(
 ) -> None:
     """A per-rank stream serves per-rank data: its draws may have each rank's shapes, and one
     rank may draw more; the ranks' ops differ there, not only their states."""
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         text = "\n".join(r["notes"])
         assert f"not compared: {stream} is seeded differently on each rank" in text, (rank, text)
 
@@ -1345,7 +1338,7 @@ def test_a_generator_moved_apart_by_the_data_parallel_forward_is_said_and_not_co
     """Dynamic padding under dropout: the ranks draw different amounts in DDP's forward, so the
     default generator differs across ranks from there, harmlessly for the DataLoader's base
     seed; the report says so, and the generator's later ops are compared by what runs."""
-    for rank, r in _results(two, "ddp_dynamic_padding_under_dropout").items():
+    for rank, r in two.ok("ddp_dynamic_padding_under_dropout").items():
         text = "\n".join(r["notes"])
         assert (
             "not compared by state: default cpu after the ranks drew different amounts from it "
@@ -1354,7 +1347,7 @@ def test_a_generator_moved_apart_by_the_data_parallel_forward_is_said_and_not_co
 
 
 def test_a_generator_reseeded_after_that_is_compared_by_state_again(two: Any) -> None:
-    results = _results(two, "ddp_dynamic_padding_then_reseeded_and_one_rank_samples")
+    results = two.ok("ddp_dynamic_padding_then_reseeded_and_one_rank_samples")
     line = results[0]["line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
@@ -1365,7 +1358,7 @@ def test_a_generator_reseeded_after_that_is_compared_by_state_again(two: Any) ->
 
 
 def test_one_rank_reseeding_in_a_data_parallel_program_is_found_with_its_call(two: Any) -> None:
-    results = _results(two, "ddp_one_rank_reseeds_mid_training")
+    results = two.ok("ddp_one_rank_reseeds_mid_training")
     seed_line = results[1]["seed_line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
@@ -1412,7 +1405,7 @@ def test_an_order_split_among_the_ranks_drawn_from_a_moved_apart_generator_is_fo
     the data-parallel forward moved its generator apart (Rule 2's wake): the first epoch is
     quiet (and its shares partition the data), the second stops at its first step."""
     _order_found(
-        _results(two, "ddp_sharded_order_from_a_generator_moved_apart"),
+        two.ok("ddp_sharded_order_from_a_generator_moved_apart"),
         "accelerate's BatchSamplerShard splits one order of the dataset among the ranks",
         "use_seedable_sampler",
     )
@@ -1421,7 +1414,7 @@ def test_an_order_split_among_the_ranks_drawn_from_a_moved_apart_generator_is_fo
 def test_an_order_split_among_the_ranks_from_a_shared_generator_is_quiet_and_partitions(
     two: Any,
 ) -> None:
-    results = _results(two, "ddp_sharded_order_from_a_generator_of_its_own")
+    results = two.ok("ddp_sharded_order_from_a_generator_of_its_own")
     assert _partitions(results, 0) and _partitions(results, 1)
     notes = "\n".join(results[0]["notes"])
     assert "not compared by state: default cpu after the ranks drew different amounts" in notes
@@ -1433,11 +1426,11 @@ def test_an_order_drawn_apart_between_samples_is_found_at_the_step_level(two: An
     for a pass's first indices is still checked op by op there (a sampler that draws when first
     asked, a sampler that draws as it is iterated), so the order is found at the pass it was
     drawn apart in, with the sampler's line, and a generator seeded by rank is said."""
-    moved = _results(two, "ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level")
-    worker = _results(
-        two, "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level"
+    moved = two.ok("ddp_sharded_order_from_a_generator_moved_apart_at_the_step_level")
+    worker = two.ok(
+        "ddp_sharded_order_from_a_generator_moved_apart_read_by_a_worker_at_the_step_level"
     )
-    seeded = _results(two, "ddp_distributed_sampler_seeded_per_rank_from_the_second_epoch")
+    seeded = two.ok("ddp_distributed_sampler_seeded_per_rank_from_the_second_epoch")
     sharded = (
         "accelerate's BatchSamplerShard splits one order of the dataset among the ranks",
         "Why default cpu differs: it differs across the ranks as the pass begins",
@@ -1472,7 +1465,7 @@ def test_an_order_drawn_apart_between_samples_is_found_at_the_step_level(two: An
     assert _partitions(moved, 0) and not _partitions(moved, 1)
     assert _partitions(worker, 0) and not _partitions(worker, 1)
     assert _partitions(seeded, 0) and not _partitions(seeded, 1)
-    own = _results(two, "ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level")
+    own = two.ok("ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level")
     for rank, r in own.items():
         assert not r["findings"] and r["level"]["data_passes_compared"] == 1, (rank, r)
     assert _partitions(own, 0) and _partitions(own, 1)
@@ -1481,7 +1474,7 @@ def test_an_order_drawn_apart_between_samples_is_found_at_the_step_level(two: An
 def test_ranks_that_began_different_numbers_of_passes_count_again_and_still_find(
     two: Any,
 ) -> None:
-    results = _results(two, "ddp_one_rank_reads_an_extra_pass_then_seeds_per_rank")
+    results = two.ok("ddp_one_rank_reads_an_extra_pass_then_seeds_per_rank")
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
@@ -1499,7 +1492,7 @@ def test_a_stream_every_rank_iterates_drawn_from_a_moved_apart_generator_is_foun
     its shuffle is compared by state even after the forward moved the default generator apart;
     the first pass is quiet (its shares partition the data), the second stops at its shuffle."""
     _order_found(
-        _results(two, "ddp_streamed_order_from_a_generator_moved_apart"),
+        two.ok("ddp_streamed_order_from_a_generator_moved_apart"),
         "accelerate's IterableDatasetShard has every rank iterate the whole stream",
         "a torch.Generator kept as its generator attribute",
     )
@@ -1508,14 +1501,14 @@ def test_a_stream_every_rank_iterates_drawn_from_a_moved_apart_generator_is_foun
 def test_a_stream_drawing_from_the_datasets_own_generator_is_quiet_and_partitions(
     two: Any,
 ) -> None:
-    results = _results(two, "ddp_streamed_order_from_the_datasets_generator")
+    results = two.ok("ddp_streamed_order_from_the_datasets_generator")
     assert _partitions(results, 0) and _partitions(results, 1)
 
 
 def test_a_distributed_sampler_seeded_per_rank_is_found_not_taken_for_a_per_rank_stream(
     two: Any,
 ) -> None:
-    results = _results(two, "ddp_distributed_sampler_seeded_per_rank")
+    results = two.ok("ddp_distributed_sampler_seeded_per_rank")
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
@@ -1545,7 +1538,7 @@ def test_a_data_split_drawn_from_a_per_rank_stream_is_found_at_the_split(
 ) -> None:
     """random_split's permutation is every rank's to draw alike, even from a generator seeded
     per rank (before any wrapper is built): found at the split, not left to Rule 3."""
-    results = _results(two, name)
+    results = two.ok(name)
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
@@ -1569,7 +1562,7 @@ def test_a_data_split_drawn_from_a_per_rank_stream_is_found_at_the_split(
 
 
 def test_a_data_split_on_one_rank_from_a_generator_seeded_alike_is_named(two: Any) -> None:
-    for rank, r in _results(two, "ddp_rank0_splits_alone_from_a_generator_seeded_alike").items():
+    for rank, r in two.ok("ddp_rank0_splits_alone_from_a_generator_seeded_alike").items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
         assert f["op"] == "aten.randperm.generator" and f["differs"] == "op", f
@@ -1582,7 +1575,7 @@ def test_a_data_split_on_one_rank_from_a_generator_seeded_alike_is_named(two: An
 
 
 def test_a_data_split_after_dropout_moved_its_generator_apart_says_so(two: Any) -> None:
-    for rank, r in _results(two, "ddp_data_split_after_dropout_moved_the_generator_apart").items():
+    for rank, r in two.ok("ddp_data_split_after_dropout_moved_the_generator_apart").items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         cause = r["findings"][0]["cause"]
         assert cause.startswith("torch's random_split divides a dataset into parts"), cause
@@ -1597,7 +1590,7 @@ def test_a_data_split_drawn_alike_keeps_every_ranks_held_out_samples_apart(two: 
         "ddp_data_split_with_a_generator_of_its_own",
         "ddp_data_split_on_a_default_generator_seeded_alike",
     ):
-        results = _results(two, name)
+        results = two.ok(name)
         assert results[0]["val"] == results[1]["val"], name
         seen = results[0]["seen"] + results[1]["seen"]
         assert not set(seen) & set(results[0]["val"]) and len(set(seen)) == 8, name
@@ -1608,7 +1601,7 @@ def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) ->
     jitter (it reads every rank's batches), so those ops are not compared, and the default
     generator they moved apart is compared by what runs from there; the report says both, and
     every epoch's shares still partition the data."""
-    results = _results(two, "ddp_dispatched_batches_read_on_one_rank")
+    results = two.ok("ddp_dispatched_batches_read_on_one_rank")
     assert _partitions(results, 0) and _partitions(results, 1)
     notes = {rank: "\n".join(r["notes"]) for rank, r in results.items()}
     assert (
@@ -1628,7 +1621,7 @@ def test_a_collators_draws_over_each_ranks_own_batch_are_its_own_and_said(two: A
     DistributedSampler) is not compared, and the default generator its per-rank shapes moved
     apart is compared by what runs from there (the next epoch's DataLoader seed); the report says
     both, and every epoch's shares partition the data."""
-    results = _results(two, "ddp_collator_masks_each_ranks_own_batch")
+    results = two.ok("ddp_collator_masks_each_ranks_own_batch")
     assert _partitions(results, 0) and _partitions(results, 1)
     for rank, r in results.items():
         notes = "\n".join(r["notes"])
@@ -1645,7 +1638,7 @@ def test_a_collators_draws_over_each_ranks_own_batch_are_its_own_and_said(two: A
 def test_a_random_op_of_the_reading_rank_outside_the_reading_is_still_found(two: Any) -> None:
     """Only the reading is the dispatching rank's own: a value rank 0 alone draws in the
     training loop, from the generator the reading moved apart, is an extra random op there."""
-    for rank, r in _results(two, "ddp_dispatched_batches_then_rank0_draws_for_its_logs").items():
+    for rank, r in two.ok("ddp_dispatched_batches_then_rank0_draws_for_its_logs").items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["op"] == "aten.rand.default", f
@@ -1663,7 +1656,7 @@ def test_noise_drawn_for_each_ranks_own_batch_shape_is_the_ranks_own(two: Any) -
         "ddp_noise_over_each_ranks_own_shapes",
         "ddp_noise_over_each_ranks_own_shapes_at_the_step_level",
     ):
-        for rank, r in _results(two, name).items():
+        for rank, r in two.ok(name).items():
             assert r["findings"] == [], (name, rank, r["findings"])
             text = "\n".join(r["notes"])
             assert "drawn at test_data_parallel.py:" in text, (name, text)
@@ -1673,7 +1666,7 @@ def test_noise_drawn_for_each_ranks_own_batch_shape_is_the_ranks_own(two: Any) -
                 "it at test_data_parallel.py:"
             ) in text, text
             assert "aten.randn_like.default with arguments of each rank's own" in text, text
-    for rank, r in _results(two, "ddp_noise_over_each_ranks_own_shapes").items():
+    for rank, r in two.ok("ddp_noise_over_each_ranks_own_shapes").items():
         assert r["digest"] == r["plain"], rank
         assert "float32[2, 2, 4, 4] on rank 0; float32[2, 2, 4, 6] on rank 1" in "\n".join(
             r["notes"]
@@ -1683,11 +1676,11 @@ def test_noise_drawn_for_each_ranks_own_batch_shape_is_the_ranks_own(two: Any) -
 def test_after_rule_9_an_extra_draw_and_a_split_are_still_found(two: Any) -> None:
     """What Rule 9 leaves compared: the ops the ranks run (one rank drawing once more) and, by
     state, a split of the data from the generator the noise moved apart (its cause says so)."""
-    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_one_rank_draws_extra").items():
+    for rank, r in two.ok("ddp_noise_over_own_shapes_then_one_rank_draws_extra").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["cause"].startswith("rank 1 ran an extra random op, aten.rand.default"), f
-    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_a_data_split").items():
+    for rank, r in two.ok("ddp_noise_over_own_shapes_then_a_data_split").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["op"] == "aten.randperm.generator", f
@@ -1702,11 +1695,11 @@ def test_after_rule_9_a_helpers_other_caller_and_a_reseed_alone_are_found(two: A
     from another line, for its logs, is an extra op. A rank that reseeds alone is found at its
     next draw, on the rule's own line, with the seeding call in the cause."""
     name = "ddp_noise_over_own_shapes_then_rank0_draws_for_its_logs"
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         cause = r["findings"][0]["cause"]
         assert cause.startswith("rank 0 ran an extra random op, aten.randn_like.default"), cause
-    for rank, r in _results(two, "ddp_noise_over_own_shapes_then_one_rank_reseeds").items():
+    for rank, r in two.ok("ddp_noise_over_own_shapes_then_one_rank_reseeds").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         cause = r["findings"][0]["cause"]
         assert cause.startswith("rank 1 ran an extra random op, aten.randn_like.default"), cause
@@ -1718,7 +1711,7 @@ def test_after_rule_9_a_helpers_other_caller_and_a_reseed_alone_are_found(two: A
 def test_noise_over_own_shapes_without_a_known_wrapper_is_found(two: Any) -> None:
     """Rule 9 needs a data-parallel wrapper: with gradients averaged by hand nothing says the
     ranks train on their own batches, and the different arguments stay a finding."""
-    for rank, r in _results(two, "hand_written_allreduce_noise_over_own_shapes").items():
+    for rank, r in two.ok("hand_written_allreduce_noise_over_own_shapes").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["message"].startswith("the ranks ran aten.randn_like.default at "), f
@@ -1726,7 +1719,7 @@ def test_noise_over_own_shapes_without_a_known_wrapper_is_found(two: Any) -> Non
 
 
 def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> None:
-    for rank, r in _results(two, "ddp_replicated_generator_used_with_per_rank_lengths").items():
+    for rank, r in two.ok("ddp_replicated_generator_used_with_per_rank_lengths").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["op"] == "aten.randint.low_generator"
@@ -1744,7 +1737,7 @@ def test_a_replicated_generator_drawing_per_rank_shapes_is_found(two: Any) -> No
 
 
 def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
-    notes = _results(two, "hf_ddp_seed_plus_rank")[0]["notes"]
+    notes = two.ok("hf_ddp_seed_plus_rank")[0]["notes"]
     text = "\n".join(notes)
     # Rule 2: the wrapped model's forward and backward (HF's checkpointed dropout included).
     assert "in the forward and backward of DistributedDataParallel over ranks 0-1" in text
@@ -1754,12 +1747,12 @@ def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
     assert "default cpu is seeded differently on each rank" in text
     assert "a per-rank stream" in text
     # ...and the replicas did end up equal: DDP's broadcast made them so.
-    digests = {r["digest"] for r in _results(two, "hf_ddp_seed_plus_rank").values()}
+    digests = {r["digest"] for r in two.ok("hf_ddp_seed_plus_rank").values()}
     assert len(digests) == 1
 
 
 def test_a_model_moved_before_wrapping_is_still_known_as_broadcast(two: Any) -> None:
-    results = _results(two, "ddp_seed_plus_rank_model_moved_before_wrapping")
+    results = two.ok("ddp_seed_plus_rank_model_moved_before_wrapping")
     for rank, r in results.items():
         text = "\n".join(r["notes"])
         # Both of nn.Linear's initialisations (weight and bias), though moved to new storage.
@@ -1782,7 +1775,7 @@ def test_a_model_moved_before_wrapping_is_still_known_as_broadcast(two: Any) -> 
 def test_parameters_initialised_per_rank_and_never_broadcast_are_found(
     two: Any, name: str, wrapper: str
 ) -> None:
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
@@ -1807,7 +1800,7 @@ def test_deepspeed_is_data_parallel_and_broadcasts_the_model(
 ) -> None:
     """seed + rank before the model and per-rank data: correct under DeepSpeed, whose engine
     (or zero.Init, for ZeRO-3) broadcasts the parameters from one rank."""
-    results = _results(two, name)
+    results = two.ok(name)
     for rank, r in results.items():
         assert not r["findings"], (rank, r["findings"])
         text = "\n".join(r["notes"])
@@ -1818,7 +1811,7 @@ def test_deepspeed_is_data_parallel_and_broadcasts_the_model(
 
 
 def test_deepspeed_training_still_has_its_replicated_draws_compared(two: Any) -> None:
-    results = _results(two, "deepspeed_rank0_draws_before_a_replicated_shuffle")
+    results = two.ok("deepspeed_rank0_draws_before_a_replicated_shuffle")
     line = results[0]["line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
@@ -1834,7 +1827,7 @@ def test_zero3_parameters_one_rank_initialises_for_a_broadcast_are_its_own(two: 
     from a config) is not compared, and the default generator it moved apart is compared by
     what runs from there; the report says both. Without a modifier rank nothing is broadcast,
     and rank 0's draws are found at their line."""
-    results = _results(two, "deepspeed_zero3_initialised_on_rank0_and_broadcast")
+    results = two.ok("deepspeed_zero3_initialised_on_rank0_and_broadcast")
     broadcast = {r["digest"] for r in results.values()}
     assert len(broadcast) == 1  # the broadcast made them rank 0's
     for rank, r in results.items():
@@ -1849,7 +1842,7 @@ def test_zero3_parameters_one_rank_initialises_for_a_broadcast_are_its_own(two: 
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "while rank 0 drew inside a deepspeed GatheredParameters region broadcast by it"
         ) in notes, notes
-    results = _results(two, "deepspeed_zero3_initialised_on_rank0_not_broadcast")
+    results = two.ok("deepspeed_zero3_initialised_on_rank0_not_broadcast")
     # What the finding is about: rank 0's initialisation was dropped (the weights are those
     # zero.Init made, the same everywhere), and rank 0 drew from the default generator alone.
     assert len({r["digest"] for r in results.values()} | broadcast) == 2
@@ -1868,7 +1861,7 @@ def test_sampling_with_generate_on_the_wrapped_module_is_each_ranks_own(two: Any
     the default generator it moved apart is compared by what runs from there (the shuffle after
     it, which differs across the ranks now); the report says both."""
     for name in ("hf_ddp_rollouts_on_every_rank", "hf_ddp_generate_on_rank0"):
-        for rank, r in _results(two, name).items():
+        for rank, r in two.ok(name).items():
             assert not r["findings"], (name, rank, r["findings"])
             notes = "\n".join(r["notes"])
             generated = (
@@ -1876,7 +1869,7 @@ def test_sampling_with_generate_on_the_wrapped_module_is_each_ranks_own(two: Any
                 "wraps (data-parallel: each rank samples for its own inputs)"
             )
             assert (generated in notes) == (rank == 0 or name.endswith("every_rank")), notes
-    for r in _results(two, "hf_ddp_generate_on_rank0").values():
+    for r in two.ok("hf_ddp_generate_on_rank0").values():
         assert (
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "in generate() of the module DistributedDataParallel over ranks 0-1 wraps"
@@ -1890,7 +1883,7 @@ def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
     must call its generate() (Rule 8), so rank 0 alone sampling from it is found at that call.
     Done as the finding advises (the generator put back with fork_rng, under expect("ignore")),
     it is quiet."""
-    results = _results(two, "hf_ddp_reference_model_generates_on_rank0")
+    results = two.ok("hf_ddp_reference_model_generates_on_rank0")
     line = results[0]["line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
@@ -1903,7 +1896,7 @@ def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
         assert "where rank 1 did not sample" in f["cause"], f["cause"]
         # The finding's stack goes through the user's generate() call.
         assert f"test_data_parallel.py:{line}" in f["frames"], f["frames"]
-    for rank, r in _results(two, "hf_ddp_reference_model_generates_on_rank0_forked").items():
+    for rank, r in two.ok("hf_ddp_reference_model_generates_on_rank0_forked").items():
         assert r["findings"] == [], (rank, r["findings"])
 
 
@@ -2124,7 +2117,7 @@ def test_hugging_face_trainer_under_deepspeed_zero3_is_quiet_and_unchanged(tmp_p
 def test_ranks_that_reach_a_generate_call_in_different_states_are_found(two: Any) -> None:
     """Rule 8 compares the state a generate() call starts from: rank 1 drew aside just before
     (under expect("ignore")), which is found there, once; what the calls sample is not."""
-    for rank, r in _results(two, "hf_ranks_reach_a_generate_call_apart").items():
+    for rank, r in two.ok("hf_ranks_reach_a_generate_call_apart").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
@@ -2135,7 +2128,7 @@ def test_tensor_parallel_peers_sampling_apart_are_found(two: Any) -> None:
     """generate() on a model with DTensor parameters is compared op by op (Rule 1, not 8): its
     tensor-parallel peers must sample alike, and rank 1's second token, sampled from another
     state, is found."""
-    for rank, r in _results(two, "hf_tensor_parallel_peers_sample_apart").items():
+    for rank, r in two.ok("hf_tensor_parallel_peers_sample_apart").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         f = r["findings"][0]
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f
@@ -2146,7 +2139,7 @@ def test_tensor_parallel_peers_sampling_apart_are_found(two: Any) -> None:
 def test_hugging_face_tensor_parallel_training_is_quiet_and_unchanged(two: Any) -> None:
     """Hugging Face's own tensor parallelism (tp_plan="auto"), the same seed everywhere:
     quiet, and the losses and the parameters are those of the run without the mode, bitwise."""
-    results = _results(two, "hf_tensor_parallel_training_same_seed")
+    results = two.ok("hf_tensor_parallel_training_same_seed")
     for rank, r in results.items():
         checked = r["checked"]
         assert not checked["findings"], (rank, checked["findings"])
@@ -2159,7 +2152,7 @@ def test_hugging_face_tensor_parallel_training_is_quiet_and_unchanged(two: Any) 
 def test_hugging_face_tensor_parallel_peers_seeded_per_rank_are_found(two: Any) -> None:
     """seed + rank under tensor parallelism: the peers' first dropout (GPT-NeoX's, over the
     embeddings every rank holds whole) is found, with each rank's seeding call."""
-    results = _results(two, "hf_tensor_parallel_training_seed_plus_rank")
+    results = two.ok("hf_tensor_parallel_training_seed_plus_rank")
     line = results[0]["seed_line"]
     for rank, r in results.items():
         assert len(r["findings"]) == 1, (rank, r["findings"])

@@ -273,13 +273,6 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
-def _results(run: Any, name: str) -> dict[int, dict[str, Any]]:
-    results = run[name]
-    for r in results.values():
-        assert "error" not in r, r.get("traceback")
-    return results
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -290,7 +283,7 @@ def _results(run: Any, name: str) -> dict[int, dict[str, Any]]:
     ],
 )
 def test_correct_pipeline_training_is_quiet_and_unchanged(two: Any, name: str) -> None:
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
@@ -299,7 +292,7 @@ def test_correct_pipeline_training_is_quiet_and_unchanged(two: Any, name: str) -
 def test_what_each_stage_draws_is_said_as_its_own(two: Any) -> None:
     """Each rank's stages draw for their own layers, and each rank initialises its own stages'
     weights (other ops on every rank): both are said, per rank, in the notes."""
-    for rank, r in _results(two, "gpipe_stages_built_on_meta").items():
+    for rank, r in two.ok("gpipe_stages_built_on_meta").items():
         text = "\n".join(r["notes"])
         assert "random op(s) in the pipeline stages ScheduleGPipe over ranks 0-1 runs" in text, (
             rank,
@@ -309,7 +302,7 @@ def test_what_each_stage_draws_is_said_as_its_own(two: Any) -> None:
 
 
 def test_a_rank_drawing_extra_data_is_found_at_its_line(two: Any) -> None:
-    results = _results(two, "gpipe_rank_1_draws_extra_data")
+    results = two.ok("gpipe_rank_1_draws_extra_data")
     for rank, r in results.items():
         assert len(r["findings"]) >= 1, (rank, r)
         first = r["findings"][0]
@@ -319,7 +312,7 @@ def test_a_rank_drawing_extra_data_is_found_at_its_line(two: Any) -> None:
 
 
 def test_a_recurring_extra_draw_is_found_at_the_step_level(two: Any) -> None:
-    results = _results(two, "one_f_one_b_rank_1_draws_extra_data_at_the_step_level")
+    results = two.ok("one_f_one_b_rank_1_draws_extra_data_at_the_step_level")
     for rank, r in results.items():
         ops = [f["op"] for f in r["findings"]]
         assert "aten.rand.generator" in ops, (rank, r["findings"])
@@ -340,7 +333,7 @@ def test_stages_sampling_their_data_apart_is_found_at_the_sampler(
     feeds one order of samples, the last computes the loss against the labels of another.
     Without a pipeline known this was "a per-rank stream" in a note (RandomSampler), or a row
     compared by what runs only (WeightedRandomSampler, which draws with replacement)."""
-    for rank, r in _results(two, name).items():
+    for rank, r in two.ok(name).items():
         assert r["findings"], (rank, r)
         first = r["findings"][0]
         assert first["kind"] == "rank_divergence", first
@@ -366,7 +359,7 @@ def test_four_stages_send_and_receive_without_aligning_on_it(four: Any) -> None:
     send and receive was an alignment point, the ranks waited for each other in different
     exchanges until the timeout (a false rank_missing: after 30 s here, 30 minutes by
     default)."""
-    for rank, r in _results(four, "gpipe_over_four_stages").items():
+    for rank, r in four.ok("gpipe_over_four_stages").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["bitwise"], rank
 
@@ -376,7 +369,7 @@ def test_fully_sharded_stages_are_quiet_and_unchanged(four: Any) -> None:
     while the other stage's ranks wait to receive, and each stage initialises its own shards
     (DTensors over its own mesh). When a collective over a subgroup was an alignment point of
     all four ranks, they waited for each other until the timeout."""
-    for rank, r in _results(four, "fully_sharded_stages_over_four_ranks").items():
+    for rank, r in four.ok("fully_sharded_stages_over_four_ranks").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank

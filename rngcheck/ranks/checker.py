@@ -48,6 +48,7 @@ from .findings import (
     DISPATCHED_WHY,
     GATHERED_WHY,
     GENERATE_WHY,
+    JOIN_WHY,
     OWN_ARGUMENTS_WHY,
     PIPELINE_ORDER,
     PIPELINE_WHY,
@@ -80,6 +81,7 @@ from .protocol import (
     fast_vector,
     gen_key,
     ident_key,
+    joined,
     text_hash,
 )
 from .step_digest import (
@@ -226,7 +228,9 @@ class RankChecker:
         # call on a model no wrapper wraps samples (the call itself is compared, by its first
         # op's place and the state it starts from); Rule 9, nor what a line draws from a default
         # generator with each rank's own arguments (findings.own_arguments), once seen so.
-        self._dp = DataParallelTracker(self._on_wrapper, self._settle_due)  # installed last
+        self._dp = DataParallelTracker(  # installed last
+            self._on_wrapper, self._settle_due, self._on_join
+        )
         self._per_rank: dict[int, str] = {}  # generator digest -> why it is a per-rank stream
         self._per_rank_keys: set[str] = set()
         # Rule 2's wake: a generator the ranks moved apart in a data-parallel forward/backward
@@ -274,6 +278,12 @@ class RankChecker:
         self._pass_draws: dict[int, tuple[RandomOpEvent | None, str, int]] = {}
         if self._cfg.level == "step":
             self._digests = StepDigests(self._side)
+        # torch's Join (P7): per Join region this thread is in, innermost last, its label when
+        # its group is this checker's ("" for one over a subgroup: not followed); whether a rank
+        # is known to have run out of inputs in them; the random ops drawn from then, per Join.
+        self._joins: list[str] = []
+        self.apart = False
+        self._join_ops: dict[str, int] = {}
         handle.identify(rank, world)
         self.publish()
         self._dp.install()  # last: nothing after it can fail and leave its patches behind
@@ -283,6 +293,10 @@ class RankChecker:
     def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
         """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
         if self._stopped or self._busy:
+            return
+        if self.apart:  # P7: each rank runs its own iterations now
+            with self._lock:
+                self._join_skip(event)
             return
         if not self._checking:
             if self._in_pass:
@@ -305,6 +319,8 @@ class RankChecker:
                 # other data-parallel ranks may run other ops here.
                 self._skip(event, across)
                 return
+        if any(self._joins):  # P7: Join's own rounds only
+            return
         if self._cfg.sync == "op":
             self._exchange(Point.RANDOM_OP, event.op)
         elif self._in_order >= self._cfg.every_ops:
@@ -400,7 +416,7 @@ class RankChecker:
 
     def on_collective(self, func: Any, args: tuple = ()) -> None:
         self._dp.refresh()
-        if self._checking and self._spans_domain(args):
+        if self._checking and not any(self._joins) and self._spans_domain(args):
             self._exchange(Point.COLLECTIVE, str(func))
 
     def _spans_domain(self, args: tuple) -> bool:
@@ -429,6 +445,9 @@ class RankChecker:
 
     def check(self) -> None:
         self._settle_due()
+        if any(self._joins):  # P7: not every rank calls it there
+            log.info("rngcheck: mode.check() inside torch's Join is no exchange point")
+            return
         self._exchange(Point.CHECK, "mode.check()")
 
     def finish(self) -> StepVerdict | None:
@@ -474,7 +493,15 @@ class RankChecker:
         self._dp.on_step()
         self._dp.refresh()
         self._settle_due()
-        if self._checking and self._cfg.sync == "step":
+        if any(self._joins):
+            # P7: no exchange point, but this iteration's Join round is settled first: a step
+            # taken after a rank ran out of inputs counts on no rank.
+            inflight = self._inflight
+            if inflight is not None and inflight.point is Point.JOIN:
+                self._exchange(Point.JOIN, f"{type(optimizer).__name__}.step()", post=False)
+            if self.apart:
+                return
+        elif self._checking and self._cfg.sync == "step":
             self._exchange(Point.OPTIMIZER_STEP, f"{type(optimizer).__name__}.step()")
         self._steps += 1
         if self._digests is None:
@@ -903,6 +930,14 @@ class RankChecker:
                 ),
             ),
             *_counted(
+                self._join_ops,
+                lambda label: (
+                    f"random op(s) drawn after a rank had run out of inputs in {label} (uneven "
+                    "inputs: from there each rank runs its own number of iterations, until every "
+                    "rank has)."
+                ),
+            ),
+            *_counted(
                 self._own_drawn,
                 lambda line: (
                     f"random op(s) drawn at {line} from a default generator with arguments of "
@@ -940,9 +975,72 @@ class RankChecker:
             )
         return out
 
+    # -- torch's Join: uneven inputs (P7) ---------------------------------------------------------
+
+    def _on_join(self, what: str, join: Any) -> None:
+        """What the data-parallel tracker saw of a Join on this thread (see JoinEvent)."""
+        if what == "enter":
+            self._joins.append(self._join_label(join) if self._join_spans(join) else "")
+            return
+        if not self._joins or not self._joins[-1]:
+            if what == "left" and self._joins:
+                self._joins.pop()
+            return
+        label = self._joins[-1]
+        if what == "round":
+            self._exchange(Point.JOIN, f"{label}'s notify_join_context")
+        elif what == "exit":
+            if not self.apart:
+                self._exchange(Point.JOIN, f"{label}.__exit__", joined=True)
+                with self._lock:
+                    self._go_apart(())
+        elif what == "left":
+            self._joins.pop()
+            if any(self._joins):
+                return
+            # Every rank has run out of inputs and left Join.__exit__ together: the round this
+            # rank posted as it ran out is settled, and the ranks compare again from here.
+            self._exchange(Point.JOIN, f"{label}.__exit__", post=False)
+            with self._lock:
+                for event in self._pending:
+                    self._join_skip(event)
+                self._clear()
+            self.apart = False
+
+    def _go_apart(self, events: Iterable[RandomOpEvent]) -> None:
+        """A rank has run out of inputs: the ranks' windows (``events``, and this rank's since)
+        are not compared; nothing is until this rank's Join.__exit__ returns."""
+        self.apart = True
+        for event in [*events, *self._pending]:
+            self._join_skip(event)
+        self._clear()
+
+    def _join_skip(self, event: RandomOpEvent) -> None:
+        label = next((j for j in self._joins if j), "Join")  # the outermost one followed
+        self._join_ops[label] = self._join_ops.get(label, 0) + 1
+        self._skip(event, f"{JOIN_WHY}{label}")
+
+    @staticmethod
+    def _join_label(join: Any) -> str:
+        kinds = ", ".join(type(j).__name__ for j in getattr(join, "_joinables", ()))
+        return f"Join([{kinds}])"
+
+    def _join_spans(self, join: Any) -> bool:
+        """Whether a Join's process group holds every rank this checker exchanges with."""
+        try:
+            group = join._process_group or dist.distributed_c10d._get_default_group()
+            return set(dist.get_process_group_ranks(group)).issuperset(self._domain)
+        except Exception:  # noqa: BLE001 - a Join torch changed: not followed
+            log.debug("rngcheck could not read a Join's process group", exc_info=True)
+            return False
+
     # -- exchange ----------------------------------------------------------------------------
 
-    def _exchange(self, point: Point, where: str) -> None:
+    def _exchange(
+        self, point: Point, where: str, *, post: bool = True, joined: bool = False
+    ) -> None:
+        """Settle the round in flight, then post this point's (``post``) and, unless pipelined,
+        settle it; ``joined``: this rank has run out of inputs inside torch's Join (P7)."""
         if self._stopped or self._busy or self._side.group is None:
             return
         if not dist.is_initialized():  # the program tore torch.distributed down inside the block
@@ -957,19 +1055,21 @@ class RankChecker:
             try:
                 # Our own tensors and collectives must not reach other dispatch modes (or ours).
                 with torch._C._DisableTorchDispatch(), torch.no_grad():
-                    finding = self._exchange_now(point, where)
+                    finding = self._exchange_now(point, where, post, joined)
             finally:
                 self._busy = False
                 self.publish()
         if finding is not None:
             self._handle.emit(finding)
 
-    def _exchange_now(self, point: Point, where: str) -> Finding | None:
+    def _exchange_now(self, point: Point, where: str, post: bool, joined: bool) -> Finding | None:
         # P2: the round posted at the previous exchange point first, before this one posts its
         # own, so the collectives on the side group stay in the same order everywhere.
         finding = self._settle(point, where)
-        if finding is not None or self._stopped:
+        if finding is not None or self._stopped or not post:
             return finding
+        if point is Point.JOIN and self.apart:  # P7: a rank ran out of inputs: no more rounds
+            return None
         init = held = None
         if self._init_due:
             # Rule 4's settle point; the per-rank seeding held back (Rule 3) is judged here too,
@@ -982,10 +1082,19 @@ class RankChecker:
         self.stats.exchanges += 1
         init_rows = [i.row for i in init] if init is not None else None
         vec, parts = fast_vector(
-            self._round, point, self._rows, self._whole_stream, init_rows, self._peer_streams
+            self._round,
+            point,
+            self._rows,
+            self._whole_stream,
+            init_rows,
+            self._peer_streams,
+            joined=joined,
         )
-        # level="step": a sampled step's round is judged at once (the next step may be unchecked)
-        pipelined = self._cfg.sync == "step" and point in PIPELINED and self._digests is None
+        # level="step": a sampled step's round is judged at once (the next step may be unchecked).
+        # A Join round is settled at the iteration's optimizer step, or the next exchange (P7).
+        pipelined = point is Point.JOIN or (
+            self._cfg.sync == "step" and point in PIPELINED and self._digests is None
+        )
         sent = _Round(
             number=self._round,
             point=point,
@@ -998,7 +1107,11 @@ class RankChecker:
             calls=self._calls,
             vec=vec,
             parts=parts,
-            stack=Stack.capture() if pipelined else None,
+            # (a Join round is judged only when no rank ran out, and an empty one can differ only
+            # in its point: its stack is taken then, if ever)
+            stack=Stack.capture()
+            if pipelined and not joined and (self._rows or point is not Point.JOIN)
+            else None,
             init=init,
             held=held or None,
         )
@@ -1021,6 +1134,9 @@ class RankChecker:
             return None
         try:
             self._side.wait(sent.work)
+            if joined(sent.vec):  # P7: a rank ran out of inputs in Join: nothing to compare
+                self._go_apart(sent.events)
+                return None
             mismatch, init_mismatch = disagreement(sent.vec)
             if not mismatch and int(sent.vec[-1]) > 0:
                 # P4: the streams over parts of the group, then one flag for the whole group.

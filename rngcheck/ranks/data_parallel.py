@@ -39,6 +39,12 @@ a schedule's ``step()`` runs in the scope of a :class:`Wrapper` over its stages'
 (``pipeline``), so what its stages draw is each rank's own, and every ``PipelineStage`` built is
 kept (``stages``), so that the initialisation of its parameters is known as the rank's own.
 
+torch's ``Join`` (``torch.distributed.algorithms.join``; accelerate's ``join_uneven_inputs``)
+lets the ranks run different numbers of iterations: a rank that runs out of inputs shadows the
+others' collectives until every rank has. The tracker tells the rank checker (``on_join``) when a
+Join is entered, at each iteration's ``notify_join_context`` on a rank with inputs left, when a
+rank runs out of them (``Join.__exit__`` begins) and when ``Join.__exit__`` returns.
+
 A wrapper is known by its group's global ranks. The scope of a random op is the innermost wrapper
 whose forward is running on this thread, or, during backward, the wrapper whose forward ran last
 (until the next optimizer step): checkpoint recomputes and gradient-time randomness of a
@@ -82,6 +88,7 @@ _ZERO_INIT_MODULE = "deepspeed.runtime.zero.partition_parameters"
 _GENERATION_MODULE = "transformers.generation.utils"
 _PIPELINE_MODULE = "torch.distributed.pipelining.schedules"
 _STAGE_MODULE = "torch.distributed.pipelining.stage"
+_JOIN_MODULE = "torch.distributed.algorithms.join"
 _WATCHED = (
     _DDP_MODULE,
     _FSDP1_MODULE,
@@ -91,7 +98,13 @@ _WATCHED = (
     _GENERATION_MODULE,
     _PIPELINE_MODULE,
     _STAGE_MODULE,
+    _JOIN_MODULE,
 )
+
+# What a Join tells the rank checker: ("enter", the Join), ("round", the Join) at an iteration's
+# notify_join_context, ("exit", the Join) as a rank that ran out of inputs begins to shadow the
+# others, ("left", the Join) once its __exit__ returned (or raised).
+JoinEvent = Callable[[str, Any], None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +196,7 @@ class _Local(threading.local):
         self.modifiers: list[int | None] = []
         self.generating: list[Wrapper] = []  # the wrappers whose modules are in generate()
         self.sampling: list[Sampling] = []  # generate() calls on models no wrapper wraps
+        self.joins: list[Any] = []  # the enabled torch Joins entered on this thread
 
 
 class DataParallelTracker:
@@ -192,9 +206,15 @@ class DataParallelTracker:
     collectives run) and when one is first seen in a forward.
     """
 
-    def __init__(self, on_wrapper: Callable[[Wrapper], None], on_forward: Callable[[], None]):
+    def __init__(
+        self,
+        on_wrapper: Callable[[Wrapper], None],
+        on_forward: Callable[[], None],
+        on_join: JoinEvent | None = None,
+    ):
         self._on_wrapper = on_wrapper
         self._on_forward = on_forward
+        self._on_join = on_join
         self._local = _Local()
         self._known: weakref.WeakKeyDictionary[Any, Wrapper] = weakref.WeakKeyDictionary()
         self._saved: list[tuple[Any, str, Any, bool]] = []  # owner, name, original, had_own
@@ -317,6 +337,10 @@ class DataParallelTracker:
                 cls = getattr(schedules, name, None)
                 if cls is not None and "step" in vars(cls):
                     self._wrap_forward(cls, self._pipeline_wrapper, method="step")
+        join = getattr(sys.modules.get(_JOIN_MODULE), "Join", None)
+        if _JOIN_MODULE not in self._patched and join is not None and self._on_join is not None:
+            self._patched.add(_JOIN_MODULE)
+            self._wrap_join(join, self._on_join)
 
     def uninstall(self) -> None:
         unwatch, self._unwatch = self._unwatch, None
@@ -335,6 +359,7 @@ class DataParallelTracker:
         self._local.modifiers.clear()
         self._local.generating.clear()
         self._local.sampling.clear()
+        self._local.joins.clear()
         self.backward = None
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
@@ -423,6 +448,52 @@ class DataParallelTracker:
             except Exception:  # noqa: BLE001 - a stage torch changed: compared, as before
                 log.debug("rngcheck could not read a pipeline stage's module", exc_info=True)
         return ""
+
+    def _wrap_join(self, cls: Any, on_join: JoinEvent) -> None:
+        """torch's ``Join``: its entry, each iteration's ``notify_join_context`` (from the first
+        joinable, the one whose all-reduce Join pairs with the shadowing ranks' own), a rank
+        running out of inputs, and the return of ``__exit__``; only for an enabled Join, and
+        never breaking the user's (a failure to tell is logged)."""
+        enter, exit_ = cls.__enter__, cls.__exit__
+        notify = cls.notify_join_context
+        threads = self._local
+
+        def tell(what: str, join: Any) -> None:
+            try:
+                on_join(what, join)
+            except Exception:  # noqa: BLE001 - never break the user's Join
+                log.debug("rngcheck could not follow a Join (%s)", what, exc_info=True)
+
+        @functools.wraps(enter)
+        def __enter__(join: Any) -> Any:
+            out = enter(join)
+            if getattr(join, "_enable", False):
+                threads.joins.append(join)
+                tell("enter", join)
+            return out
+
+        @functools.wraps(exit_)
+        def __exit__(join: Any, type_: Any, value: Any, traceback: Any) -> Any:
+            tracked = bool(threads.joins) and threads.joins[-1] is join
+            if tracked and type_ is None:
+                tell("exit", join)
+            try:
+                return exit_(join, type_, value, traceback)
+            finally:
+                if tracked:
+                    threads.joins.pop()
+                    tell("left", join)
+
+        @functools.wraps(notify)
+        def notify_join_context(joinable: Any) -> Any:
+            config = getattr(joinable, "_join_config", None)
+            if threads.joins and config is not None and config.enable and config.is_first_joinable:
+                tell("round", threads.joins[-1])
+            return notify(joinable)
+
+        self._patch(cls, "__enter__", __enter__)
+        self._patch(cls, "__exit__", __exit__)
+        self._patch(cls, "notify_join_context", staticmethod(notify_join_context))
 
     def _wrap_generate(self, cls: Any) -> None:
         """Hugging Face's ``GenerationMixin.generate``: on the module a known wrapper wraps (or on

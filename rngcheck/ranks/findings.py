@@ -26,6 +26,7 @@ __all__ = [
     "STAGE_INIT_WHY",
     "GENERATE_WHY",
     "GATHERED_WHY",
+    "JOIN_WHY",
     "SAMPLED_WHY",
     "OWN_ARGUMENTS_WHY",
     "SHARE_WHY",
@@ -121,6 +122,7 @@ POINT_TEXT = {
     Point.EVERY: "the every-N-ops exchange",
     Point.CHECK: "mode.check()",
     Point.EXIT: "the end of the checked block",
+    Point.JOIN: "torch's Join",
 }
 
 
@@ -919,6 +921,8 @@ SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7
 SAMPLED_WHY = "in a generate() call of "  # ... and Rule 8's (a model no wrapper wraps)
 # ... and Rule 9's (followed by the line)
 OWN_ARGUMENTS_WHY = "drawn with each rank's own arguments at "
+# ... and those drawn inside torch's Join once a rank has run out of inputs (followed by the Join)
+JOIN_WHY = "after a rank had run out of inputs in "
 # ... and ZeRO-3's GatheredParameters(modifier_rank=r) (followed by r, on every rank)
 GATHERED_WHY = "inside a deepspeed GatheredParameters region broadcast by rank "
 
@@ -955,6 +959,13 @@ def _moved_apart(details: dict[int, Detail]) -> tuple[RandomOpEvent, str] | None
     known = sorted(d.drifted for d in details.values() if d.drifted)
     if known:
         return first, known[0]
+    joins = sorted(
+        d.uncompared.why
+        for d in details.values()
+        if d.uncompared is not None and d.uncompared.why.startswith(JOIN_WHY)
+    )
+    if joins:  # some ranks ran iterations of their own in torch's Join: the surest cause
+        return first, f"{_DREW_APART} {_own_batch(joins[0])}"
     forward = {  # rank -> how it drew for its own batch there (Rules 2 and 7), in words
         r: how
         for r, d in details.items()
@@ -1054,6 +1065,11 @@ def _own_batch(why: str) -> str:
         )
     if why.startswith(OWN_ARGUMENTS_WHY):
         return f"at {why.removeprefix(OWN_ARGUMENTS_WHY)}, with arguments of each rank's own"
+    if why.startswith(JOIN_WHY):
+        return (
+            f"in the iterations some ranks ran after another had run out of inputs in "
+            f"{why.removeprefix(JOIN_WHY)} (uneven inputs: each rank runs its own number)"
+        )
     return ""
 
 

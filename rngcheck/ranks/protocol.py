@@ -32,6 +32,12 @@ The rules the code relies on, cited as "P1" to "P6" where it does:
   every rank).
 - **P6** After a finding, or a peer lost, the checker stops exchanging: every later op would
   differ too, and a checker must never be the reason a job hangs.
+- **P7** Inside torch's ``Join`` (uneven inputs: each rank runs its own number of iterations),
+  the only exchange points are the ones Join itself pairs across the ranks: each iteration's
+  ``notify_join_context`` on a rank with inputs left, and the entry of ``Join.__exit__`` on a rank
+  that has run out of them, whose round carries the ``joined`` flag. Once a round with the flag is
+  settled, no rank exchanges (nor counts a step) until its ``Join.__exit__`` returns, which it
+  does on every rank together.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ __all__ = [
     "fold",
     "gen_key",
     "ident_key",
+    "joined",
     "text_hash",
 ]
 
@@ -76,10 +83,12 @@ POLICY_CODE = {"same": 1, "differ": 2, "declared": 3, "peers": 4}
 PEERS = POLICY_CODE["peers"]
 
 # The vector: (x, -x) for the round, the point, the structure, the group-wide stream and the
-# parameter initialisations (Rule 4; 0 until they are settled), then a flag: streams over parts
-# of the group follow (P4).
+# parameter initialisations (Rule 4; 0 until they are settled), then a flag: 1, streams over
+# parts of the group follow (P4); 2, this rank has run out of inputs inside torch's Join (P7:
+# the round is not judged, so its streams are not either). The ranks' largest flag is read.
 HEADER = 11
 INIT_SLOT = 8
+_JOINED = 2
 
 
 class Row(NamedTuple):
@@ -102,6 +111,7 @@ class Point(enum.IntEnum):
     EVERY = 4
     CHECK = 5
     EXIT = 6
+    JOIN = 7  # inside torch's Join: an iteration's notify_join_context, or Join.__exit__ (P7)
 
 
 # With sync="step", the rounds of these points stay in flight until the next exchange point (P2).
@@ -160,10 +170,12 @@ def fast_vector(
     whole_stream: int,
     init: list[Row] | None,
     peer_streams: Iterable[int] = (),
+    joined: bool = False,
 ) -> tuple[torch.Tensor, dict[int, list[Row]]]:
     """The group-wide vector of one round, and this rank's streams over parts of the group;
     ``peer_streams``: the peers streams this rank knows, each checked at every round, with its
-    rows or none (peers may differ in having rows: P4 must not wait for a check one skips)."""
+    rows or none (peers may differ in having rows: P4 must not wait for a check one skips);
+    ``joined``: this rank has run out of inputs inside torch's Join (P7)."""
     structure = fold(r.structure for r in rows if r.policy != PEERS)
     whole: list[Row] = []
     parts: dict[int, list[Row]] = {stream: [] for stream in peer_streams}
@@ -179,7 +191,8 @@ def fast_vector(
         y = fold([len(init), *(v for r in init for v in (r.structure, r.before))])
     values = [round_, int(point), structure, x, y]
     vec = [v for value in values for v in (value, -value)]
-    return torch.tensor([*vec, 1 if parts else 0], dtype=torch.int64), parts
+    flag = _JOINED if joined else 1 if parts else 0
+    return torch.tensor([*vec, flag], dtype=torch.int64), parts
 
 
 def disagreement(vec: torch.Tensor) -> tuple[bool, bool]:
@@ -187,3 +200,8 @@ def disagreement(vec: torch.Tensor) -> tuple[bool, bool]:
     v: list[Any] = vec.tolist()
     main = any(v[i] != -v[i + 1] for i in range(0, INIT_SLOT, 2))
     return main, v[INIT_SLOT] != -v[INIT_SLOT + 1]
+
+
+def joined(vec: torch.Tensor) -> bool:
+    """Whether some rank of a settled round had run out of inputs inside torch's Join (P7)."""
+    return int(vec[-1]) >= _JOINED
