@@ -502,7 +502,19 @@ class RNGConsistencyMode:
         if len(since) > 65536:  # a new optimizer per step, and a lead that stopped
             since.clear()
         since[id(optimizer)] = (weakref.ref(optimizer), count)
-        return count >= _TAKEOVER
+        if count < _TAKEOVER:
+            return False
+        # Across ranks, an optimizer that one rank steps alone (a linear probe rank 0 trains for
+        # its logs) must not move that rank's training steps away from the others': where the
+        # lead trains a data-parallel wrapper's parameters, only one that does too takes over.
+        lead = self._lead() if self._lead is not None else None
+        ranks = self._ranks
+        return (
+            ranks is None
+            or lead is None
+            or ranks.trains_replicas(optimizer)
+            or (not ranks.trains_replicas(lead))
+        )
 
     # -- level="step" ------------------------------------------------------------------------
 

@@ -1212,6 +1212,58 @@ def deepspeed_zero3_initialised_on_rank0_not_broadcast(rank: int, world: int) ->
     return _summary(mode, digest=digest, line=line)
 
 
+def _train_with_a_probe_on_rank0() -> float:
+    """DDP training in which rank 0 alone trains a linear probe on the model's features every 10
+    steps, for its logs: its own optimizer, 20 steps each time, its randomness forked from the
+    default generator and declared its own (as docs/data-parallel.md says to). Returns the sum
+    of the model's parameters."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import rngcheck
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1)
+    )
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(100 + rank)
+    for step in range(24):
+        ddp(torch.randn(4, 8, generator=data)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0 and step % 10 == 5:
+            with torch.random.fork_rng(), rngcheck.expect("ignore"):
+                probe = torch.nn.Linear(16, 2)
+                probe_opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+                with torch.no_grad():
+                    features = model[0](torch.randn(32, 8))
+                for _ in range(20):
+                    loss = torch.nn.functional.cross_entropy(
+                        probe(features), torch.zeros(32, dtype=torch.long)
+                    )
+                    loss.backward()
+                    probe_opt.step()
+                    probe_opt.zero_grad()
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def _probe_scenario(**mode_kwargs: Any) -> dict[str, Any]:
+    plain = _train_with_a_probe_on_rank0()
+    with _mode(**mode_kwargs) as mode:
+        digest = _train_with_a_probe_on_rank0()
+    return _summary(mode, bitwise=digest == plain)
+
+
+def ddp_rank0_trains_a_probe_alone(rank: int, world: int) -> dict[str, Any]:
+    return _probe_scenario()
+
+
+def ddp_rank0_trains_a_probe_alone_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    return _probe_scenario(level="step")
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests (parent process): one launch of 2 ranks runs every scenario
 
@@ -1274,6 +1326,8 @@ SCENARIOS = [
     "hf_ddp_rollouts_on_every_rank",
     "hf_tensor_parallel_training_same_seed",
     "hf_tensor_parallel_training_seed_plus_rank",
+    "ddp_rank0_trains_a_probe_alone",
+    "ddp_rank0_trains_a_probe_alone_at_the_step_level",
 ]
 
 
@@ -2263,3 +2317,20 @@ def test_hugging_face_trainer_under_torchrun_is_quiet_and_unchanged(tmp_path: An
         assert "not compared by state: default cpu after the ranks drew different amounts" in (
             notes
         )
+
+
+@pytest.mark.parametrize(
+    "name", ["ddp_rank0_trains_a_probe_alone", "ddp_rank0_trains_a_probe_alone_at_the_step_level"]
+)
+def test_an_optimizer_one_rank_steps_alone_does_not_take_the_lead(two: Any, name: str) -> None:
+    """Rank 0 alone trains a linear probe for 20 steps at a time, declared its own: its
+    optimizer stepped 16 times without the training optimizer in between, so it took the lead
+    on rank 0 alone, whose training steps then moved away from rank 1's. The op level reported a
+    false rank_divergence ("rank 0 reached SGD.step() ...; rank 1 reached collective
+    c10d.allreduce_"), and at the step level gloo aborted the job (rngcheck's own collectives no
+    longer matched in size). An optimizer of no data-parallel wrapper's parameters does not
+    take the lead from one that trains them."""
+    for rank, r in two.ok(name).items():
+        assert not r["findings"], (rank, r["findings"])
+        assert r["random_ops"] > 0
+        assert r["bitwise"], rank

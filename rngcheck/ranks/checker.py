@@ -507,6 +507,11 @@ class RankChecker:
         if self._digests is None:
             self._checking = self._steps % self._cfg.every_steps == 0
 
+    def trains_replicas(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` steps parameters of a known data-parallel wrapper's module or
+        of a pipeline stage: the training every rank runs (see the mode's ``_takes_over``)."""
+        return self._dp.trains(optimizer)
+
     def set_checking(self, checking: bool, rebase: tuple[int, ...] = ()) -> None:
         """level="step": whether the coming step is checked op by op (the same on every rank).
         ``rebase``: the digest slots that drifted apart between samples. Their generators

@@ -438,6 +438,22 @@ class DataParallelTracker:
 
         self._patch(cls, "__init__", __init__)
 
+    def trains(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` steps a parameter of a known wrapper's module or of a pipeline
+        stage this rank holds (by identity: DeepSpeed's engine steps flat copies, never these)."""
+        try:
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            modules = [*self._known.keys(), *(s.submod for s in list(self.stages))]
+            return any(
+                id(p) in mine
+                for module in modules
+                if hasattr(module, "parameters")
+                for p in module.parameters()
+            )
+        except Exception:  # noqa: BLE001 - an optimizer or wrapper of another shape: not known
+            log.debug("rngcheck could not read an optimizer's parameters", exc_info=True)
+            return False
+
     def stage_holding(self, parameter: Any) -> str:
         """The pipeline stage whose module holds ``parameter`` ("pipeline stage 1 of 4"), or
         ""."""
