@@ -187,6 +187,7 @@ class RankChecker:
         rank: int,
         world: int,
         timeout: float,
+        step_side: Any = None,
     ):
         self._handle = handle
         self._cfg = handle.config
@@ -277,7 +278,9 @@ class RankChecker:
         # pass -> its first draw, the sampler, the step it was drawn at (on this rank)
         self._pass_draws: dict[int, tuple[RandomOpEvent | None, str, int]] = {}
         if self._cfg.level == "step":
-            self._digests = StepDigests(self._side)
+            # (on a gloo group of its own, ``step_side``, closed with the checker)
+            steps = SideGroup(step_side or side, domain, rank, timeout, self.stats)
+            self._digests = StepDigests(steps, own_group=step_side is not None)
         # torch's Join (P7): per Join region this thread is in, innermost last, its label when
         # its group is this checker's ("" for one over a subgroup: not followed); whether a rank
         # is known to have run out of inputs in them; the random ops drawn from then, per Join.
@@ -466,6 +469,7 @@ class RankChecker:
         """Stop; ``exc``: the exception that ended the checked block (else the one in flight)."""
         if self._digests is not None:
             self._digests.drop()
+            self._digests.close()
         self._dp.uninstall()
         if not (self._finished or self._stopped):
             # Leaving early (an exception in the block): tell the ranks that will wait for us.
@@ -961,6 +965,18 @@ class RankChecker:
             )
             for generator, how in self._drift_notes.values()
         )
+        ends = self._digests.ends_apart if self._digests is not None else None
+        if ends is not None:
+            out.append(
+                Note(
+                    kind="not_compared",
+                    message=f"not compared: the generators' digests of the last steps of the "
+                    f"block at the step level: the ranks ended it {ends[0]} to {ends[1]} "
+                    f"training steps after their last round of {STEPS_PER_ROUND} (some rank "
+                    "stepped its optimizer more often than another), so those steps' digests "
+                    "could not be paired.",
+                )
+            )
         out += _counted(
             replaced,
             lambda _: (

@@ -46,12 +46,22 @@ def start(handle: CheckerHandle) -> RankChecker | None:
             dist.destroy_process_group(world_side)
             raise
         side = world_side
+        # level="step": the step digests' rounds go through a group of their own, so a rank that
+        # counts other steps than the others (rngcheck's own mistake) never pairs one with an
+        # exchange of another size on the same group, which gloo answers by aborting the job.
+        steps = cfg.level == "step"
+        step_side = dist.new_group(backend="gloo", timeout=timeout) if steps else None
         if parts != [tuple(range(world))]:
-            side = None
+            side = step_side = None
             for part in parts:  # every rank creates every group, in the same order
                 g = dist.new_group(ranks=list(part), backend="gloo", timeout=timeout)
+                s = (
+                    dist.new_group(ranks=list(part), backend="gloo", timeout=timeout)
+                    if steps
+                    else None
+                )
                 if domain is not None and part == domain:
-                    side = g
+                    side, step_side = g, s
             dist.destroy_process_group(world_side)
     if domain is None or side is None:
         log.info(
@@ -59,7 +69,7 @@ def start(handle: CheckerHandle) -> RankChecker | None:
         )
         return None
     handle.meta["rank_timeout"] = {"seconds": seconds, "from": source}
-    checker = RankChecker(handle, side, domain, rank, world, seconds)
+    checker = RankChecker(handle, side, domain, rank, world, seconds, step_side)
     checker.stats.setup_calls, checker.stats.setup_bytes = 1, t.numel() * t.element_size()
     handle.meta["rank_exchange"] = checker.stats.to_dict()
     return checker

@@ -157,8 +157,9 @@ class StepDigests:
     (one all-reduce of ``per_round`` x 71 int64, whatever the world size); a round posted at a
     step is settled at the next one, so no rank waits for the others at a step."""
 
-    def __init__(self, side: Any, per_round: int = STEPS_PER_ROUND) -> None:
+    def __init__(self, side: Any, per_round: int = STEPS_PER_ROUND, own_group: bool = False):
         self._side = side
+        self._own_group = own_group  # ``side`` is this object's alone: close() closes it
         self._per_round = per_round
         self._batch: list[_Step] = []
         self._inflight: _Posted | None = None
@@ -172,6 +173,8 @@ class StepDigests:
         self.passes_apart = 0  # rounds whose second half found the ranks at different counts
         self.rounds = 0
         self.drifts = 0
+        # The steps not yet sent at the end, fewest and most across the ranks, when they differ
+        self.ends_apart: tuple[int, int] | None = None
 
     def exchange(
         self,
@@ -194,8 +197,17 @@ class StepDigests:
 
     def finish(self) -> StepVerdict | None:
         """The mode ends: settle the round in flight, then post and settle the steps not yet
-        sent (every rank has the same ones)."""
+        sent, once the ranks agree on how many there are (a round of another size would make
+        gloo abort; ``ends_apart`` keeps the counts when they differ)."""
         first = self.settle()
+        count = len(self._batch)
+        counts = torch.tensor([count, -count], dtype=torch.int64)
+        self._side.all_reduce_max(counts, fast=True)
+        high, low = int(counts[0]), -int(counts[1])
+        if high != low:
+            self.ends_apart = (low, high)
+            self._batch = []
+            return first
         if not self._batch:
             return first
         self._post()
@@ -266,6 +278,10 @@ class StepDigests:
             self._judged = 0
             self.passes_apart += 1
         return StepVerdict(drift_step or last.step, escalate, drifted, tuple(orders))
+
+    def close(self) -> None:
+        if self._own_group:
+            self._side.close()
 
     def drop(self) -> None:
         """Forget the round in flight (the checker stops; the others learn it from the store)."""
