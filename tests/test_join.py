@@ -33,11 +33,14 @@ def _train(
     extra_draw: str = "",
     throw: bool = False,
     batches: int = 4,
+    micro: int = 1,
 ) -> dict[str, Any]:
     """Train under Join for ``epochs`` epochs: rank r has ``batches + 2r + epoch`` batches of
     its own (from a generator seeded per rank), augmented with a mask drawn from a generator
     every rank seeds alike. ``extra_draw``: "once", rank 1 draws one extra number from that
-    shared generator at its second iteration; "every", at every iteration (the bugs).
+    shared generator at its second iteration; "every", at every iteration; "before forward", at
+    its second iteration after the mask (the bugs). ``micro``: forwards and backwards per
+    optimizer step (gradient accumulation).
     ``throw``: Join(throw_on_early_termination=True). Returns a digest of the parameters and
     the message of the RuntimeError that ended training, if any."""
     from torch.distributed.algorithms.join import Join
@@ -62,7 +65,10 @@ def _train(
             with Join([ddp, opt] if zero else [ddp], throw_on_early_termination=throw):
                 for i, x in enumerate(data):
                     x = x * (torch.rand(x.shape, generator=shared) > 0.1)
-                    ddp(x).square().mean().backward()
+                    if rank == 1 and extra_draw == "before forward" and i == 1:
+                        torch.rand(1, generator=shared)
+                    for part in x.chunk(micro):
+                        ddp(part).square().mean().backward()
                     opt.step()
                     opt.zero_grad()
                     if rank == 1 and (extra_draw == "every" or (extra_draw == "once" and i == 1)):
@@ -121,6 +127,23 @@ def recurring_extra_draw_at_the_step_level(rank: int, world: int) -> dict[str, A
     return _scenario(rank, {"level": "step"}, extra_draw="every", epochs=1, batches=30)
 
 
+def extra_draw_raised_at_joins_own_point(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, {"on_finding": "raise"}, extra_draw="before forward", epochs=1, micro=2)
+
+
+def uneven_inputs_accumulating_gradients(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, micro=2)
+
+
+def uneven_inputs_a_rank_with_none(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 has no batch in the first epoch (one in the second)."""
+    return _scenario(rank, batches=0)
+
+
+def uneven_inputs_a_rank_with_none_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    return _scenario(rank, {"level": "step"}, batches=0)
+
+
 SCENARIOS = [
     "uneven_inputs",
     "uneven_inputs_at_the_step_level",
@@ -129,6 +152,10 @@ SCENARIOS = [
     "uneven_inputs_throwing_on_early_termination",
     "extra_draw_before_any_rank_ran_out",
     "recurring_extra_draw_at_the_step_level",
+    "extra_draw_raised_at_joins_own_point",
+    "uneven_inputs_accumulating_gradients",
+    "uneven_inputs_a_rank_with_none",
+    "uneven_inputs_a_rank_with_none_at_the_step_level",
 ]
 
 
@@ -161,6 +188,9 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "uneven_inputs_at_the_step_level",
         "uneven_inputs_synced_at_every_op",
         "uneven_inputs_with_zero",
+        "uneven_inputs_accumulating_gradients",
+        "uneven_inputs_a_rank_with_none",
+        "uneven_inputs_a_rank_with_none_at_the_step_level",
     ],
 )
 def test_uneven_inputs_are_quiet_and_unchanged(two: Any, name: str) -> None:
@@ -183,7 +213,10 @@ def test_what_the_ranks_draw_after_one_ran_out_is_said(two: Any) -> None:
     """Rank 1 has more batches: what it draws once rank 0 ran out is its own, said in a note;
     rank 0 drew nothing then."""
     notes = {rank: "\n".join(r["notes"]) for rank, r in two.ok("uneven_inputs").items()}
-    said = "drawn after a rank had run out of inputs in Join([DistributedDataParallel])"
+    said = (
+        "drawn in Join([DistributedDataParallel]) from the last iteration every rank ran "
+        "together, as a rank ran out of inputs"
+    )
     assert said in notes[1], notes[1]
     assert said not in notes[0], notes[0]
     # The augmentation's generator, drawn more often on rank 1, is compared by what runs from
@@ -214,3 +247,15 @@ def test_a_recurring_extra_draw_is_found_at_the_step_level(two: Any) -> None:
     for rank, r in two.ok("recurring_extra_draw_at_the_step_level").items():
         ops = [f["op"] for f in r["findings"]]
         assert "aten.rand.generator" in ops, (rank, r["findings"])
+
+
+def test_a_finding_settled_at_joins_own_point_raises_on_every_rank(two: Any) -> None:
+    """Two forwards per optimizer step: the round holding rank 1's extra draw is settled at the
+    second forward's notify_join_context, inside Join. With on_finding="raise" the finding was
+    swallowed there (logged at debug level); now it raises from the forward on every rank, and
+    each leaves the Join with it (none waits in Join's own all-reduce for the others)."""
+    for rank, r in two.ok("extra_draw_raised_at_joins_own_point").items():
+        assert r["findings"], (rank, r)
+        assert r["findings"][0]["op"] == "aten.rand.generator", r["findings"][0]
+        assert "aten.rand.generator" in r["raised"], (rank, r["raised"])
+        assert not r["plain_raised"], r

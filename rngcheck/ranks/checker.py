@@ -447,10 +447,10 @@ class RankChecker:
         return True
 
     def check(self) -> None:
-        self._settle_due()
         if any(self._joins):  # P7: not every rank calls it there
             log.info("rngcheck: mode.check() inside torch's Join is no exchange point")
             return
+        self._settle_due()
         self._exchange(Point.CHECK, "mode.check()")
 
     def finish(self) -> StepVerdict | None:
@@ -941,9 +941,9 @@ class RankChecker:
             *_counted(
                 self._join_ops,
                 lambda label: (
-                    f"random op(s) drawn after a rank had run out of inputs in {label} (uneven "
-                    "inputs: from there each rank runs its own number of iterations, until every "
-                    "rank has)."
+                    f"random op(s) drawn in {label} from the last iteration every rank ran "
+                    "together, as a rank ran out of inputs (uneven inputs: from there each rank "
+                    "runs its own number of iterations, until every rank has)."
                 ),
             ),
             *_counted(
@@ -1027,6 +1027,7 @@ class RankChecker:
                     self._join_skip(event)
                 self._clear()
             self.apart = False
+            self._settle_due()
 
     def _go_apart(self, events: Iterable[RandomOpEvent]) -> None:
         """A rank has run out of inputs: the ranks' windows (``events``, and this rank's since)
@@ -1157,6 +1158,12 @@ class RankChecker:
             self._side.wait(sent.work)
             if joined(sent.vec):  # P7: a rank ran out of inputs in Join: nothing to compare
                 self._go_apart(sent.events)
+                if sent.init is not None:
+                    # Its parameter initialisations are settled at the first exchange after
+                    # the Join, on every rank (a rank that ran out may not have sent them).
+                    self._init = [*sent.init, *self._init]
+                    self._held = [*(sent.held or ()), *self._held]
+                    self._init_settled = False
                 return None
             mismatch, init_mismatch = disagreement(sent.vec)
             if not mismatch and int(sent.vec[-1]) > 0:

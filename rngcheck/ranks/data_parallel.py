@@ -74,6 +74,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from ..core.findings import RNGCheckError
 from ..core.imports import watch_imports
 
 __all__ = ["DataParallelTracker", "Sampling", "Wrapper"]
@@ -477,6 +478,11 @@ class DataParallelTracker:
         def tell(what: str, join: Any) -> None:
             try:
                 on_join(what, join)
+            except RNGCheckError:
+                # A finding the round settled here, with on_finding="raise": every rank settles
+                # that round here and raises it (swallowed, this rank would train on and wait in
+                # Join's own all-reduce for ranks that left).
+                raise
             except Exception:  # noqa: BLE001 - never break the user's Join
                 log.debug("rngcheck could not follow a Join (%s)", what, exc_info=True)
 
@@ -491,9 +497,9 @@ class DataParallelTracker:
         @functools.wraps(exit_)
         def __exit__(join: Any, type_: Any, value: Any, traceback: Any) -> Any:
             tracked = bool(threads.joins) and threads.joins[-1] is join
-            if tracked and type_ is None:
-                tell("exit", join)
             try:
+                if tracked and type_ is None:
+                    tell("exit", join)  # (a finding raised here leaves as Join's own would)
                 return exit_(join, type_, value, traceback)
             finally:
                 if tracked:
