@@ -232,6 +232,9 @@ class RNGConsistencyMode:
         # A training step ends at a step of the lead optimizer (see _on_step); the others that
         # stepped since its last step, held weakly.
         self._lead: weakref.ReferenceType[Any] | None = None
+        # Across ranks: the lead's parameters, when it trains a data-parallel wrapper's or a
+        # pipeline stage's (read as it became the lead; see _takes_over), else None.
+        self._lead_replicas: weakref.WeakSet[Any] | None = None
         # id -> (the optimizer, weakly; its steps since the lead's last step)
         self._since_lead: dict[int, tuple[weakref.ReferenceType[Any], int]] = {}
         self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
@@ -464,6 +467,7 @@ class RNGConsistencyMode:
         lead = self._lead() if self._lead is not None else None
         if self._lead is None or (lead is not optimizer and self._takes_over(optimizer)):
             self._lead = weakref.ref(optimizer)
+            self._lead_replicas = self._replicas(optimizer)
         elif lead is not optimizer:
             if (
                 self._postponed is not None
@@ -507,14 +511,23 @@ class RNGConsistencyMode:
         # Across ranks, an optimizer that one rank steps alone (a linear probe rank 0 trains for
         # its logs) must not move that rank's training steps away from the others': where the
         # lead trains a data-parallel wrapper's parameters, only one that does too takes over.
-        lead = self._lead() if self._lead is not None else None
-        ranks = self._ranks
+        # Read from what the lead trained as it became the lead, never from whether it (or a
+        # wrapper) was garbage-collected since, which may differ across the ranks.
+        ranks, held = self._ranks, self._lead_replicas
         return (
             ranks is None
-            or lead is None
+            or held is None
             or ranks.trains_replicas(optimizer)
-            or (not ranks.trains_replicas(lead))
+            or any(p in held for p in _parameters(optimizer))
         )
+
+    def _replicas(self, optimizer: Any) -> weakref.WeakSet[Any] | None:
+        """The parameters of a new lead, held weakly, when it trains a wrapper's or a stage's
+        (across ranks), else None."""
+        ranks = self._ranks
+        if ranks is None or not ranks.trains_replicas(optimizer):
+            return None
+        return weakref.WeakSet(_parameters(optimizer))
 
     # -- level="step" ------------------------------------------------------------------------
 
@@ -1032,6 +1045,15 @@ class RNGConsistencyMode:
             entry[0] += 1
         elif len(self._backward_sites) < _MAX_NOTE_SITES:
             self._backward_sites[site] = [1, event.stack, event.op]
+
+
+def _parameters(optimizer: Any) -> list[Any]:
+    """An optimizer's parameters (none when it holds them in another shape)."""
+    try:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    except Exception:  # noqa: BLE001 - an optimizer of another shape
+        log.debug("rngcheck could not read an optimizer's parameters", exc_info=True)
+        return []
 
 
 def _first_use_site() -> str:

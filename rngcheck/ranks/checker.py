@@ -970,11 +970,11 @@ class RankChecker:
             out.append(
                 Note(
                     kind="not_compared",
-                    message=f"not compared: the generators' digests of the last steps of the "
-                    f"block at the step level: the ranks ended it {ends[0]} to {ends[1]} "
-                    f"training steps after their last round of {STEPS_PER_ROUND} (some rank "
-                    "stepped its optimizer more often than another), so those steps' digests "
-                    "could not be paired.",
+                    message=f"not compared: the generators' digests at the step level, from "
+                    f"the round of {STEPS_PER_ROUND} steps that found the ranks counting "
+                    f"different numbers of training steps ({ends[0]} to {ends[1]} exchanged: "
+                    "some rank stepped its optimizer more often than another) to the end of "
+                    "the block, where their steps no longer pair.",
                 )
             )
         out += _counted(

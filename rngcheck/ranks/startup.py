@@ -46,13 +46,14 @@ def start(handle: CheckerHandle) -> RankChecker | None:
             dist.destroy_process_group(world_side)
             raise
         side = world_side
-        # level="step": the step digests' rounds go through a group of their own, so a rank that
-        # counts other steps than the others (rngcheck's own mistake) never pairs one with an
-        # exchange of another size on the same group, which gloo answers by aborting the job.
+        # level="step": the step digests' rounds go through a group of their own, so ranks that
+        # count other steps than each other (their rounds then fall at other points) never pair
+        # one with an exchange of another size, which gloo answers by aborting the job.
         steps = cfg.level == "step"
-        step_side = dist.new_group(backend="gloo", timeout=timeout) if steps else None
-        if parts != [tuple(range(world))]:
-            side = step_side = None
+        whole = parts == [tuple(range(world))]  # (the same on every rank)
+        step_side = dist.new_group(backend="gloo", timeout=timeout) if steps and whole else None
+        if not whole:
+            side = None
             for part in parts:  # every rank creates every group, in the same order
                 g = dist.new_group(ranks=list(part), backend="gloo", timeout=timeout)
                 s = (

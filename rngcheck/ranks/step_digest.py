@@ -133,6 +133,13 @@ STEPS_PER_ROUND = 32  # the digests of this many steps travel in one all-reduce
 _COLUMNS = SLOTS + 3
 _ROW = 2 * _COLUMNS + 1  # a step's part of a round: [v, -v] per column, then its escalation wish
 NO_PASS = (0, 0, 0)
+# After the rows, every round ends with [c, -c, n, -n]: c, 1 in a closing round (the mode ends)
+# and 0 in any other; n, the rows this rank has sent in all, this round's included. Every round
+# has the same size (a closing one pads its rows with zeros), so ranks that counted different
+# steps never pair collectives of different sizes (gloo aborts the job on that), and they learn
+# it from n.
+_TRAILER = 4
+_CLOSING_TRIES = 4  # closing rounds a rank posts while another still posts rows, at most
 
 
 @dataclass(slots=True)
@@ -163,6 +170,7 @@ class StepDigests:
         self._per_round = per_round
         self._batch: list[_Step] = []
         self._inflight: _Posted | None = None
+        self._sent = 0  # rows posted so far (this rank's steps exchanged)
         self._baseline = 0  # bit i: slot i agreed at the last step checked op by op
         # Passes over the data: each rank counts them from ``_pass_base`` (its own count at the
         # last row of the latest round whose second half found the ranks at different counts:
@@ -173,7 +181,8 @@ class StepDigests:
         self.passes_apart = 0  # rounds whose second half found the ranks at different counts
         self.rounds = 0
         self.drifts = 0
-        # The steps not yet sent at the end, fewest and most across the ranks, when they differ
+        # The steps exchanged in all, fewest and most across the ranks, once they differed
+        # (then no later round is compared: their rows no longer pair step for step)
         self.ends_apart: tuple[int, int] | None = None
 
     def exchange(
@@ -196,33 +205,64 @@ class StepDigests:
         return verdict
 
     def finish(self) -> StepVerdict | None:
-        """The mode ends: settle the round in flight, then post and settle the steps not yet
-        sent, once the ranks agree on how many there are (a round of another size would make
-        gloo abort; ``ends_apart`` keeps the counts when they differ)."""
+        """The mode ends: settle the round in flight, then post the steps not yet sent in a
+        closing round, until every rank's round is a closing one (a rank that counted more
+        steps may still post a full round against it). Their rows are compared only when every
+        rank exchanged as many; ``ends_apart`` keeps the counts when they differ."""
         first = self.settle()
-        count = len(self._batch)
-        counts = torch.tensor([count, -count], dtype=torch.int64)
-        self._side.all_reduce_max(counts, fast=True)
-        high, low = int(counts[0]), -int(counts[1])
-        if high != low:
+        steps, self._batch = self._batch, []
+        total = self._sent + len(steps)
+        for _ in range(_CLOSING_TRIES):
+            vec = self._vector(steps, closing=True, total=total)
+            with torch._C._DisableTorchDispatch():  # (not the mode's to see)
+                self._side.all_reduce_max(vec, fast=True)
+            if self._closing_all(vec):
+                break
+            self._counts_apart(vec)  # (met a round another rank still posted: apart)
+        else:
+            # Another rank still posts rounds: it waits for this rank's closing round no longer
+            # than the timeout, and reports it.
+            return first
+        if not self._counts_apart(vec) and steps:
+            last = self._judge(_Posted(steps, vec, None))
+            if first is None:
+                return last
+            kept = first if first.drifted else last
+            return replace(kept, orders=first.orders + last.orders)
+        return first
+
+    def _vector(self, steps: list[_Step], *, closing: bool, total: int) -> torch.Tensor:
+        with torch._C._DisableTorchDispatch(), torch.no_grad():  # (not the mode's to see)
+            vec = torch.zeros(self._per_round * _ROW + _TRAILER, dtype=torch.int64)
+            if steps:
+                digests = torch.tensor([[*s.slots, *s.passes] for s in steps], dtype=torch.int64)
+                wishes = torch.tensor([[int(s.escalate)] for s in steps], dtype=torch.int64)
+                rows = torch.cat([digests, -digests, wishes], dim=1).flatten()
+                vec[: rows.numel()] = rows
+            c = int(closing)
+            vec[-_TRAILER:] = torch.tensor([c, -c, total, -total], dtype=torch.int64)
+        return vec
+
+    @staticmethod
+    def _closing_all(vec: torch.Tensor) -> bool:
+        return -int(vec[-_TRAILER + 1]) == 1  # the smallest c: 1 when every round closed
+
+    def _counts_apart(self, vec: torch.Tensor) -> bool:
+        """Whether the ranks have exchanged different numbers of steps, by a settled round (or
+        met another's closing round with one of theirs); kept in ``ends_apart``."""
+        high, low = int(vec[-2]), -int(vec[-1])
+        mixed = int(vec[-_TRAILER]) == 1 and not self._closing_all(vec)
+        if high == low and not mixed:
+            return self.ends_apart is not None
+        if self.ends_apart is None:
             self.ends_apart = (low, high)
-            self._batch = []
-            return first
-        if not self._batch:
-            return first
-        self._post()
-        last = self.settle()
-        if first is None or last is None:
-            return first or last
-        kept = first if first.drifted else last
-        return replace(kept, orders=first.orders + last.orders)
+        return True
 
     def _post(self) -> None:
         steps, self._batch = self._batch, []
-        with torch._C._DisableTorchDispatch(), torch.no_grad():  # (not the mode's to see)
-            digests = torch.tensor([[*s.slots, *s.passes] for s in steps], dtype=torch.int64)
-            wishes = torch.tensor([[int(s.escalate)] for s in steps], dtype=torch.int64)
-            vec = torch.cat([digests, -digests, wishes], dim=1).flatten()
+        self._sent += len(steps)
+        vec = self._vector(steps, closing=False, total=self._sent)
+        with torch._C._DisableTorchDispatch():
             work = self._side.all_reduce_max(vec, fast=True, async_op=True)
         self._inflight = _Posted(steps, vec, work)
         self.rounds += 1
@@ -232,8 +272,13 @@ class StepDigests:
         if posted is None:
             return None
         self._side.wait(posted.work)
+        if self._counts_apart(posted.vec):
+            return None  # the ranks' rows no longer pair step for step: not compared
+        return self._judge(posted)
+
+    def _judge(self, posted: _Posted) -> StepVerdict:
         with torch._C._DisableTorchDispatch(), torch.no_grad():
-            rows = posted.vec.view(len(posted.steps), _ROW)
+            rows = posted.vec[: len(posted.steps) * _ROW].view(len(posted.steps), _ROW)
             # A column agrees when its largest value is minus its smallest: each step's agreeing
             # slots as the bits of one int, its passes' largest and smallest values, and its
             # escalation wish.
