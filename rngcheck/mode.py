@@ -467,7 +467,8 @@ class RNGConsistencyMode:
         lead = self._lead() if self._lead is not None else None
         if self._lead is None or (lead is not optimizer and self._takes_over(optimizer)):
             self._lead = weakref.ref(optimizer)
-            self._lead_replicas = self._replicas(optimizer)
+            ranks = self._ranks
+            self._lead_replicas = ranks.replicas_trained(optimizer) if ranks is not None else None
         elif lead is not optimizer:
             if (
                 self._postponed is not None
@@ -514,20 +515,7 @@ class RNGConsistencyMode:
         # Read from what the lead trained as it became the lead, never from whether it (or a
         # wrapper) was garbage-collected since, which may differ across the ranks.
         ranks, held = self._ranks, self._lead_replicas
-        return (
-            ranks is None
-            or held is None
-            or ranks.trains_replicas(optimizer)
-            or any(p in held for p in _parameters(optimizer))
-        )
-
-    def _replicas(self, optimizer: Any) -> weakref.WeakSet[Any] | None:
-        """The parameters of a new lead, held weakly, when it trains a wrapper's or a stage's
-        (across ranks), else None."""
-        ranks = self._ranks
-        if ranks is None or not ranks.trains_replicas(optimizer):
-            return None
-        return weakref.WeakSet(_parameters(optimizer))
+        return ranks is None or held is None or ranks.trains_replicas(optimizer, held)
 
     # -- level="step" ------------------------------------------------------------------------
 
@@ -1045,15 +1033,6 @@ class RNGConsistencyMode:
             entry[0] += 1
         elif len(self._backward_sites) < _MAX_NOTE_SITES:
             self._backward_sites[site] = [1, event.stack, event.op]
-
-
-def _parameters(optimizer: Any) -> list[Any]:
-    """An optimizer's parameters (none when it holds them in another shape)."""
-    try:
-        return [p for group in optimizer.param_groups for p in group["params"]]
-    except Exception:  # noqa: BLE001 - an optimizer of another shape
-        log.debug("rngcheck could not read an optimizer's parameters", exc_info=True)
-        return []
 
 
 def _first_use_site() -> str:

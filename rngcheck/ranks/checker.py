@@ -20,7 +20,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -33,7 +33,7 @@ from ..core.handle import CheckerHandle
 from ..core.policy import current_expectation
 from ..core.stacks import Stack
 from .board import Board
-from .data_parallel import DataParallelTracker, Wrapper
+from .data_parallel import DataParallelTracker, Wrapper, optimizer_parameters
 from .data_reading import (
     DISPATCHER_MODULES,
     NOT_READING,
@@ -511,10 +511,17 @@ class RankChecker:
         if self._digests is None:
             self._checking = self._steps % self._cfg.every_steps == 0
 
-    def trains_replicas(self, optimizer: Any) -> bool:
+    def trains_replicas(self, optimizer: Any, lead: Collection[Any] = ()) -> bool:
         """Whether ``optimizer`` steps parameters of a known data-parallel wrapper's module or
-        of a pipeline stage: the training every rank runs (see the mode's ``_takes_over``)."""
-        return self._dp.trains(optimizer)
+        of a pipeline stage, the training every rank runs, or of ``lead`` (the lead's, as
+        :meth:`replicas_trained` read them; see the mode's ``_takes_over``)."""
+        return self._dp.trains(optimizer, lead)
+
+    def replicas_trained(self, optimizer: Any) -> weakref.WeakSet[Any] | None:
+        """A new lead's parameters, held weakly, when it trains replicas (above), else None."""
+        if not self._dp.trains(optimizer):
+            return None
+        return weakref.WeakSet(optimizer_parameters(optimizer))
 
     def set_checking(self, checking: bool, rebase: tuple[int, ...] = ()) -> None:
         """level="step": whether the coming step is checked op by op (the same on every rank).
@@ -965,14 +972,14 @@ class RankChecker:
             )
             for generator, how in self._drift_notes.values()
         )
-        ends = self._digests.ends_apart if self._digests is not None else None
-        if ends is not None:
+        counts = self._digests.steps_apart if self._digests is not None else None
+        if counts is not None:
             out.append(
                 Note(
                     kind="not_compared",
                     message=f"not compared: the generators' digests at the step level, from "
                     f"the round of {STEPS_PER_ROUND} steps that found the ranks counting "
-                    f"different numbers of training steps ({ends[0]} to {ends[1]} exchanged: "
+                    f"different numbers of training steps ({counts[0]} to {counts[1]} exchanged: "
                     "some rank stepped its optimizer more often than another) to the end of "
                     "the block, where their steps no longer pair.",
                 )

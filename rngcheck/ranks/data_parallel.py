@@ -68,7 +68,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -77,7 +77,7 @@ import torch
 from ..core.findings import RNGCheckError
 from ..core.imports import watch_imports
 
-__all__ = ["DataParallelTracker", "Sampling", "Wrapper"]
+__all__ = ["DataParallelTracker", "Sampling", "Wrapper", "optimizer_parameters"]
 
 log = logging.getLogger(__name__)
 
@@ -439,11 +439,15 @@ class DataParallelTracker:
 
         self._patch(cls, "__init__", __init__)
 
-    def trains(self, optimizer: Any) -> bool:
+    def trains(self, optimizer: Any, known: Collection[Any] = ()) -> bool:
         """Whether ``optimizer`` steps a parameter of a known wrapper's module or of a pipeline
-        stage this rank holds (by identity: DeepSpeed's engine steps flat copies, never these)."""
+        stage this rank holds (by identity: DeepSpeed's engine steps flat copies, never these),
+        or one of ``known`` (parameters read so before)."""
+        params = optimizer_parameters(optimizer)
+        if known and any(p in known for p in params):
+            return True
         try:
-            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            mine = {id(p) for p in params}
             modules = [*self._known.keys(), *(s.submod for s in list(self.stages))]
             return any(
                 id(p) in mine
@@ -452,7 +456,7 @@ class DataParallelTracker:
                 for p in module.parameters()
             )
         except Exception:  # noqa: BLE001 - an optimizer or wrapper of another shape: not known
-            log.debug("rngcheck could not read an optimizer's parameters", exc_info=True)
+            log.debug("rngcheck could not read a wrapper's parameters", exc_info=True)
             return False
 
     def stage_holding(self, parameter: Any) -> str:
@@ -746,6 +750,15 @@ def _peers(module: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
             best = peers
             break
     return best
+
+
+def optimizer_parameters(optimizer: Any) -> list[Any]:
+    """An optimizer's parameters (none when it holds them in another shape)."""
+    try:
+        return [p for group in optimizer.param_groups for p in group["params"]]
+    except Exception:  # noqa: BLE001 - an optimizer of another shape: not known
+        log.debug("rngcheck could not read an optimizer's parameters", exc_info=True)
+        return []
 
 
 def _tensor_parallel(model: Any) -> bool:

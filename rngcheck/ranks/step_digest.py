@@ -183,7 +183,7 @@ class StepDigests:
         self.drifts = 0
         # The steps exchanged in all, fewest and most across the ranks, once they differed
         # (then no later round is compared: their rows no longer pair step for step)
-        self.ends_apart: tuple[int, int] | None = None
+        self.steps_apart: tuple[int, int] | None = None
 
     def exchange(
         self,
@@ -208,7 +208,7 @@ class StepDigests:
         """The mode ends: settle the round in flight, then post the steps not yet sent in a
         closing round, until every rank's round is a closing one (a rank that counted more
         steps may still post a full round against it). Their rows are compared only when every
-        rank exchanged as many; ``ends_apart`` keeps the counts when they differ."""
+        rank exchanged as many; ``steps_apart`` keeps the counts when they differ."""
         first = self.settle()
         steps, self._batch = self._batch, []
         total = self._sent + len(steps)
@@ -249,13 +249,13 @@ class StepDigests:
 
     def _counts_apart(self, vec: torch.Tensor) -> bool:
         """Whether the ranks have exchanged different numbers of steps, by a settled round (or
-        met another's closing round with one of theirs); kept in ``ends_apart``."""
+        met another's closing round with one of theirs); kept in ``steps_apart``."""
         high, low = int(vec[-2]), -int(vec[-1])
         mixed = int(vec[-_TRAILER]) == 1 and not self._closing_all(vec)
         if high == low and not mixed:
-            return self.ends_apart is not None
-        if self.ends_apart is None:
-            self.ends_apart = (low, high)
+            return self.steps_apart is not None
+        if self.steps_apart is None:
+            self.steps_apart = (low, high)
         return True
 
     def _post(self) -> None:
