@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -248,6 +249,18 @@ class _Tracked:
         if self._bytes is not None:
             state = handle.get_state()  # kept alive while its bytes are read
             return self._bytes.from_address(state.data_ptr()).raw
+        return self.adapter.digest(handle)
+
+    def quick_digest(self) -> int | None:
+        """A 64-bit digest of the state now, only to compare across the ranks of one run (the
+        step level's, every step): a CPU state is summarised by CRC-32 and Adler-32 of its bytes
+        read in place (a third of the time of copying them out first and of blake2b, from the cold
+        caches after a training step); else the state's digest."""
+        handle = self.handle
+        if self._bytes is not None:
+            state = handle.get_state()  # kept alive while its bytes are read
+            view = self._bytes.from_address(state.data_ptr())
+            return zlib.crc32(view) | zlib.adler32(view) << 32
         return self.adapter.digest(handle)
 
     @staticmethod

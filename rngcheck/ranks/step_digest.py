@@ -20,7 +20,6 @@ at a step), bounded by the timeout like every exchange. A drift is therefore see
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -68,15 +67,13 @@ def slot_of(ident: Any) -> int:
 
 
 def slot_values(generators: Iterable[Any]) -> list[int]:
-    """Per slot, the XOR of the (name-salted) digests of the generators in it. A CPU state's
-    bytes are summarised by CRC-32 and Adler-32 (64 bits, a fifth of blake2b's time on its
-    5,056 bytes, every step): these digests are only compared across the ranks of one run."""
+    """Per slot, the XOR of the (name-salted) digests of the generators in it (each one's
+    ``quick_digest``: only compared across the ranks of one run)."""
     slots = [0] * SLOTS
     for t in generators:
-        state = t.snapshot()
-        if state is None:
+        digest = t.quick_digest()
+        if digest is None:
             continue
-        digest = zlib.crc32(state) | zlib.adler32(state) << 32 if type(state) is bytes else state
         salt = generator_name(t.ident)
         slots[salt % SLOTS] ^= (digest ^ salt) & _MASK
     return slots
