@@ -365,12 +365,17 @@ def _draw_noise(like: torch.Tensor) -> torch.Tensor:
     return torch.randn_like(like)  # (one helper for several callers)
 
 
-def _noise_over_own_shapes(
-    rank: int, steps: int, wrap: bool = True, after: Any = None, checked: bool = True, **mode: Any
+def _own_batches(
+    net: torch.nn.Module,
+    loss_of: Any,
+    steps: int,
+    wrap: bool = True,
+    after: Any = None,
+    checked: bool = True,
+    **mode: Any,
 ) -> tuple[dict[str, Any], str]:
-    """A diffusion model's training step over aspect-ratio buckets (the shape of diffusers'
-    examples): each rank's batch has its own shape, and the loop draws the noise for it and the
-    timesteps from the default generator, seeded alike on every rank, outside the model. Under
+    """``steps`` training steps of ``net`` whose loss ``loss_of(model, step)`` draws for the
+    rank's own batch in the loop, from the default generator seeded alike on every rank. Under
     DDP (``wrap``), else with gradients averaged by hand. ``after(step)`` runs after each step.
     Returns the summary (``checked``: under a mode made with ``mode``) and a digest of the
     parameters trained."""
@@ -378,21 +383,11 @@ def _noise_over_own_shapes(
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(42)
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Dropout(0.1), torch.nn.Conv2d(4, 2, 1)
-    )
-    buckets = [(4, 4), (4, 6), (6, 4)]
     with _mode(**mode) if checked else contextlib.nullcontext() as m:
         model = DDP(net) if wrap else net
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(steps):
-            h, w = buckets[(rank + step) % len(buckets)]  # this rank's bucket this step
-            latents = torch.linspace(-1, 1, 2 * 2 * h * w).view(2, 2, h, w) * (1 + rank)
-            noise = _draw_noise(latents)  # drawn for this rank's own batch
-            t = torch.randint(0, 1000, (latents.shape[0],)).view(-1, 1, 1, 1) / 1000
-            loss = (model(latents * (1 - t) + noise * t) - noise).pow(2).mean()
-            loss.backward()
+            loss_of(model, step).backward()
             if not wrap:
                 for p in net.parameters():
                     torch.distributed.all_reduce(p.grad)
@@ -404,11 +399,37 @@ def _noise_over_own_shapes(
     return (_summary(m) if m is not None else {}), digest.hexdigest()
 
 
+def _noise_over_own_shapes(rank: int, steps: int, **kwargs: Any) -> tuple[dict[str, Any], str]:
+    """A diffusion model's training step over aspect-ratio buckets (the shape of diffusers'
+    examples): each rank's batch has its own shape, and the loop draws the noise for it and the
+    timesteps, outside the model (``_own_batches``)."""
+    torch.manual_seed(42)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Dropout(0.1), torch.nn.Conv2d(4, 2, 1)
+    )
+    buckets = [(4, 4), (4, 6), (6, 4)]
+
+    def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+        h, w = buckets[(rank + step) % len(buckets)]  # this rank's bucket this step
+        latents = torch.linspace(-1, 1, 2 * 2 * h * w).view(2, 2, h, w) * (1 + rank)
+        noise = _draw_noise(latents)  # drawn for this rank's own batch
+        t = torch.randint(0, 1000, (latents.shape[0],)).view(-1, 1, 1, 1) / 1000
+        return (model(latents * (1 - t) + noise * t) - noise).pow(2).mean()
+
+    return _own_batches(net, loss_of, steps, **kwargs)
+
+
 def ddp_noise_over_each_ranks_own_shapes(rank: int, world: int) -> dict[str, Any]:
     """Correct: the noise and timesteps of each rank's own batch (Rule 9). Also the parameters'
     digest, and the same training's without rngcheck."""
-    summary, digest = _noise_over_own_shapes(rank, 4)
-    _, plain = _noise_over_own_shapes(rank, 4, checked=False)
+    return _and_plain(_noise_over_own_shapes, rank, 4)
+
+
+def _and_plain(run: Any, rank: int, steps: int) -> dict[str, Any]:
+    """``run``'s summary under the mode, its parameters' digest, and the same training's
+    digest without rngcheck (``plain``)."""
+    summary, digest = run(rank, steps)
+    _, plain = run(rank, steps, checked=False)
     return {**summary, "digest": digest, "plain": plain}
 
 
@@ -460,6 +481,60 @@ def ddp_noise_over_own_shapes_then_a_data_split(rank: int, world: int) -> dict[s
             torch.utils.data.random_split(list(range(10)), [0.8, 0.2])
 
     return _noise_over_own_shapes(rank, 2, after=split)[0]
+
+
+def _jitter_own_boxes(rank: int, steps: int, **kwargs: Any) -> tuple[dict[str, Any], str]:
+    """A detector's training step: the loop jitters each box of the rank's own images, one draw
+    of the same shape per box, so the ranks draw there as many times as their own images hold
+    boxes (the first step's too: 2 boxes on rank 0, 3 on rank 1) (``_own_batches``)."""
+    torch.manual_seed(42)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 4))
+
+    def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
+        boxes = [torch.full((4,), float(b + rank)) for b in range(2 + (rank + step) % 3)]
+        jittered = [box + 0.1 * torch.randn(4) for box in boxes]  # one draw per own box
+        return (model(torch.stack(jittered)) - torch.stack(boxes)).pow(2).mean()
+
+    return _own_batches(net, loss_of, steps, **kwargs)
+
+
+def ddp_jitter_for_each_of_its_own_boxes(rank: int, world: int) -> dict[str, Any]:
+    """Correct: each rank draws the jitter of its own boxes, as many as they are (Rule 9,
+    counts). Also the parameters' digest, and the same training's without rngcheck."""
+    return _and_plain(_jitter_own_boxes, rank, 5)
+
+
+def ddp_jitter_for_each_of_its_own_boxes_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
+    summary, _ = _jitter_own_boxes(rank, 12, level="step", sample_every=5)
+    return summary
+
+
+def ddp_jitter_own_boxes_then_one_rank_draws_extra(rank: int, world: int) -> dict[str, Any]:
+    """The bug after the count's line: rank 1 draws once more, at another line, at the second
+    step."""
+
+    def extra(step: int) -> None:
+        if rank == 1 and step == 1:
+            torch.randn(4)
+
+    return _jitter_own_boxes(rank, 3, after=extra)[0]
+
+
+def ddp_jitter_own_boxes_then_one_rank_reseeds(rank: int, world: int) -> dict[str, Any]:
+    """The bug after the count's line: rank 1 alone reseeds after the first step, and its next
+    draw is at that line."""
+
+    def reseed(step: int) -> None:
+        if rank == 1 and step == 0:
+            torch.manual_seed(99)
+
+    return _jitter_own_boxes(rank, 3, after=reseed)[0]
+
+
+def hand_written_allreduce_jitter_own_boxes(rank: int, world: int) -> dict[str, Any]:
+    """No data-parallel wrapper is known: the ranks drawing different numbers of times stays a
+    finding."""
+    return _jitter_own_boxes(rank, 2, wrap=False)[0]
 
 
 def hand_written_allreduce_noise_over_own_shapes(rank: int, world: int) -> dict[str, Any]:
@@ -1352,6 +1427,11 @@ SCENARIOS = [
     "ddp_noise_over_own_shapes_then_rank0_draws_for_its_logs",
     "ddp_noise_over_own_shapes_then_one_rank_reseeds",
     "hand_written_allreduce_noise_over_own_shapes",
+    "ddp_jitter_for_each_of_its_own_boxes",
+    "ddp_jitter_for_each_of_its_own_boxes_at_the_step_level",
+    "ddp_jitter_own_boxes_then_one_rank_draws_extra",
+    "ddp_jitter_own_boxes_then_one_rank_reseeds",
+    "hand_written_allreduce_jitter_own_boxes",
     "ddp_dynamic_padding_under_dropout",
     "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
     "ddp_one_rank_reseeds_mid_training",
@@ -1830,6 +1910,50 @@ def test_after_rule_9_a_helpers_other_caller_and_a_reseed_alone_are_found(two: A
         assert "On rank 1 it comes right after torch.manual_seed(99) at test_data_parallel" in (
             cause
         ), cause
+
+
+def test_a_loop_over_each_ranks_own_data_is_the_ranks_own(two: Any) -> None:
+    """Rule 9, counts: the loop jitters each of a rank's own boxes, so the ranks draw there as
+    many times as their images hold boxes (a crop drawn until it fits each rank's own image is
+    the same shape). That stopped correct training ("rank 1 ran no random op here; reached
+    collective ... but rank 0 ran aten.uniform_.default"); the line's draws are each rank's own,
+    the notes say so, and the training is bitwise the same as without rngcheck. At the step level
+    too."""
+    for name in (
+        "ddp_jitter_for_each_of_its_own_boxes",
+        "ddp_jitter_for_each_of_its_own_boxes_at_the_step_level",
+    ):
+        for rank, r in two.ok(name).items():
+            assert r["findings"] == [], (name, rank, r["findings"])
+            text = "\n".join(r["notes"])
+            assert (
+                "from a default generator a number of times of each rank's own (the ranks "
+                "looped there over their own data"
+            ) in text, (name, text)
+            assert (
+                "not compared by state: default cpu after the ranks drew different amounts from "
+                "it at test_data_parallel.py:"
+            ) in text, text
+            assert "which rank 1 ran there more times than rank 0" in text, text
+    for rank, r in two.ok("ddp_jitter_for_each_of_its_own_boxes").items():
+        assert r["digest"] == r["plain"], rank
+
+
+def test_after_a_counts_line_an_extra_draw_a_reseed_and_no_wrapper_are_found(two: Any) -> None:
+    """What the counts clause leaves compared: a rank drawing once more at another line, a rank
+    that reseeds alone (found at its next draw, on the clause's own line), and, with gradients
+    averaged by hand, the different counts themselves."""
+    for rank, r in two.ok("ddp_jitter_own_boxes_then_one_rank_draws_extra").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        cause = r["findings"][0]["cause"]
+        assert cause.startswith("rank 1 ran an extra random op, aten.randn.default"), cause
+    for rank, r in two.ok("ddp_jitter_own_boxes_then_one_rank_reseeds").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        cause = r["findings"][0]["cause"]
+        assert "torch.manual_seed(99)" in cause, cause
+    for rank, r in two.ok("hand_written_allreduce_jitter_own_boxes").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        assert r["findings"][0]["kind"] == "rank_divergence", r["findings"]
 
 
 def test_noise_over_own_shapes_without_a_known_wrapper_is_found(two: Any) -> None:

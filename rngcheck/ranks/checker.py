@@ -50,6 +50,7 @@ from .findings import (
     GENERATE_WHY,
     JOIN_WHY,
     OWN_ARGUMENTS_WHY,
+    OWN_COUNT_WHY,
     PIPELINE_ORDER,
     PIPELINE_WHY,
     SAMPLED_WHY,
@@ -58,11 +59,13 @@ from .findings import (
     Detail,
     Uncompared,
     build_finding,
+    count_key,
     data_parallel_drift,
     init_finding,
     line_key,
     missing_finding,
     own_arguments,
+    own_count,
     pass_order_finding,
     per_rank_seeding,
     point_text,
@@ -248,10 +251,11 @@ class RankChecker:
         self._gathered: dict[int, int] = {}  # modifier rank -> ops in its GatheredParameters
         self._modifying = f"{GATHERED_WHY}{rank}"  # ... whose modifier is this rank: its own
         self._shares: dict[str, int] = {}  # what splits the data -> ops loading this rank's share
-        # Rule 9: (generator, op) -> the lines that draw it with each rank's own arguments (as
-        # findings.line_key gives them), and line -> the ops drawn there
-        self._own_lines: dict[tuple[str, str], set[tuple[tuple[str, int], ...]]] = {}
-        self._own_drawn: dict[str, int] = {}
+        # Rule 9: (generator, op) -> the lines that draw it with each rank's own arguments or a
+        # number of times of each rank's own (as findings.line_key gives them; True: the
+        # latter), and (line, which) -> the ops drawn there
+        self._own_lines: dict[tuple[str, str], dict[tuple[tuple[str, int], ...], bool]] = {}
+        self._own_drawn: dict[tuple[str, bool], int] = {}
         self._sampled: dict[str, int] = {}  # model class -> ops of its generate() calls, uncompared
         self._init: list[_Init] = []
         self._init_due = False  # the next exchange settles the parameter initialisations
@@ -654,9 +658,10 @@ class RankChecker:
             return _Judged(f"{SHARE_WHY}{reading.share}", "", "")
         if self._own_lines and not (declared or order):
             own = self._own_line(event)
-            if own:  # Rule 9: a line that draws with each rank's own arguments
+            if own is not None:  # Rule 9: a line that draws with each rank's own arguments
                 self._own_drawn[own] = self._own_drawn.get(own, 0) + 1
-                return _Judged(f"{OWN_ARGUMENTS_WHY}{own}", "", "")
+                site, counts = own
+                return _Judged(f"{OWN_COUNT_WHY if counts else OWN_ARGUMENTS_WHY}{site}", "", "")
         if not (declared or order) and gen_key(event) in self._per_rank_keys:  # Rule 3
             return _Judged("on a per-rank stream", "", "")
         return _Judged("", order, "") if order else _COMPARED
@@ -680,15 +685,16 @@ class RankChecker:
             return f"{STAGE_INIT_WHY}{stage}"
         return ""
 
-    def _own_line(self, event: RandomOpEvent) -> str:
+    def _own_line(self, event: RandomOpEvent) -> tuple[str, bool] | None:
         """Rule 9: the line (``file.py:12``) of an op drawn where the ranks drew that op from its
-        generator with arguments of their own, as learnt at an exchange; "" for any other op,
-        and for one that a user's seeding call reached first (compared: a rank that reseeds or
-        restores alone there is found)."""
+        generator with arguments of their own or a number of times of their own (True), as
+        learnt at an exchange; None for any other op, and for one that a user's seeding call
+        reached first (compared: a rank that reseeds or restores alone there is found)."""
         lines = self._own_lines.get((gen_key(event), event.op))
-        if lines is None or reseeded_by_user(event) or line_key(event) not in lines:
-            return ""
-        return event.site
+        if lines is None or reseeded_by_user(event):
+            return None
+        counts = lines.get(line_key(event))
+        return None if counts is None else (event.site, counts)
 
     def _dtensor(self, event: RandomOpEvent, mesh: Any) -> _Judged:
         """A DTensor random op: compared over its mesh, in the group's order; but inside a
@@ -956,9 +962,13 @@ class RankChecker:
             *_counted(
                 self._own_drawn,
                 lambda line: (
-                    f"random op(s) drawn at {line} from a default generator with arguments of "
-                    "each rank's own (the ranks drew there for their own batch shapes, in a "
+                    f"random op(s) drawn at {line[0]} from a default generator a number of times "
+                    "of each rank's own (the ranks looped there over their own data, in a "
                     "data-parallel program: each rank draws for its own batch)."
+                    if line[1]
+                    else f"random op(s) drawn at {line[0]} from a default generator with "
+                    "arguments of each rank's own (the ranks drew there for their own batch "
+                    "shapes, in a data-parallel program: each rank draws for its own batch)."
                 ),
             ),
         ]
@@ -1232,12 +1242,17 @@ class RankChecker:
             points = dict.fromkeys(points, sent.point)
         stack = sent.stack if sent.stack is not None else Stack.capture()
         where = point_text(points[self.rank], sent.where, stack)
+        dropped: dict[int, set[int]] = {}  # rows at a line Rule 9 learnt by counts, per rank
         while True:
             # Per-rank streams leave the comparison (Rule 3), but not parameter initialisations:
             # a replicated parameter drawn from a per-rank stream is still wrong (Rule 4).
             skip = () if init else self._per_rank
             kept = {
-                r: [i for i, row in enumerate(w) if row.generator not in skip]
+                r: [
+                    i
+                    for i, row in enumerate(w)
+                    if row.generator not in skip and i not in dropped.get(r, ())
+                ]
                 for r, w in windows.items()
             }
             view = {r: [windows[r][i] for i in kept[r]] for r in windows}
@@ -1248,6 +1263,9 @@ class RankChecker:
             index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
             event = events[index] if 0 <= index < len(events) else None  # (not a mark)
             unchecked = sent.uncompared.get(index)
+            lines, spot_line = (
+                ({}, "") if init else _count_lines(spot, view, windows[self.rank], events, index)
+            )
             mine = Detail(
                 event=event,
                 point=where,
@@ -1262,6 +1280,8 @@ class RankChecker:
                 order=sent.orders.get(index, "") if not init else "",
                 call=sent.calls.get(index, "") if not init else "",
                 peers=any(self._peers_of(w) for w in self._dp.wrappers),
+                lines=lines,
+                spot_line=spot_line,
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
@@ -1295,8 +1315,9 @@ class RankChecker:
                     event_o = details[self.rank].event  # (own_arguments: every rank has one)
                     assert event_o is not None
                     line = (gen_key(event_o), event_o.op)
-                    self._own_lines.setdefault(line, set()).add(line_key(event_o))
-                    self._own_drawn[event_o.site] = self._own_drawn.get(event_o.site, 0) + 1
+                    self._own_lines.setdefault(line, {}).setdefault(line_key(event_o), False)
+                    drawn = (event_o.site, False)
+                    self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + 1
                     common = text_hash(*line, "own arguments")
                     for r, w in windows.items():
                         pos = spot.index_for(r, view[r])
@@ -1304,6 +1325,23 @@ class RankChecker:
                             i = kept[r][pos]
                             w[i] = w[i]._replace(structure=common, before=0, after=0)
                     drift = own
+                counted = own_count(spot, details) if drift is None else None
+                if counted is not None:
+                    # Rule 9, counts: that line's draws from the generator are each rank's own
+                    # from here, however many, and the generator is in the wake (below, from the
+                    # seed every rank drew there with); this round's ops there leave the
+                    # comparison on every rank.
+                    extra, event_c, how = counted
+                    line = (gen_key(event_c), event_c.op)
+                    self._own_lines.setdefault(line, {}).setdefault(line_key(event_c), True)
+                    there = details[extra].spot_line
+                    for r, d in details.items():
+                        dropped.setdefault(r, set()).update(d.lines.get(there, ()))
+                    drawn = (event_c.site, True)
+                    mine_c = len(details[self.rank].lines.get(there, ()))
+                    self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + mine_c
+                    self._drifted.setdefault(gen_key(event_c), (event_c.seed, how))
+                    drift = (event_c, how)
                 if drift is None:
                     return finding
                 # Rule 2's wake (and Rules 6 and 7's): from here this generator is compared by what
@@ -1369,6 +1407,41 @@ class RankChecker:
         """The exchange counters into the report's metadata (at every op-level exchange; for the
         step level's, when the report is read)."""
         self._handle.meta["rank_exchange"] = self.stats.to_dict()
+
+
+_COUNT_LINES_READ = 512  # Rule 9, counts: ops whose lines a rank reads (each reads a stack)
+
+
+def _count_lines(
+    spot: Any, view: dict[int, list[Row]], window: list[Row], events: list[Any], at: int
+) -> tuple[dict[str, list[int]], str]:
+    """Rule 9, counts: this rank's ops of the round that ran an op found at a control-flow
+    divergence on any rank (same op, generator and arguments), by ``count_key``, with their
+    positions in ``window``; and the key of this rank's op at the divergence (``at``), "". Each
+    one's line is read from its stack (about a millisecond): past ``_COUNT_LINES_READ`` of
+    them, none are (the clause does not apply)."""
+    if spot.kind != "flow":
+        return {}, ""
+    structures = set()
+    for r, w in view.items():
+        p = spot.index_for(r, w)
+        if p < len(w):
+            structures.add(w[p].structure)
+    same = POLICY_CODE["same"]  # (a row under expect("differ") or "ignore" is no such op)
+    hits = [
+        i
+        for i, row in enumerate(window)
+        if row.structure in structures and row.policy == same and i < len(events)
+    ]
+    if len(hits) > _COUNT_LINES_READ:
+        return {}, ""
+    lines: dict[str, list[int]] = {}
+    for i in hits:
+        key = count_key(events[i], window[i].structure)
+        if key:
+            lines.setdefault(key, []).append(i)
+    mine = next((k for k, found in lines.items() if at in found), "")
+    return lines, mine
 
 
 def _counted(counts: Mapping[Any, int], say: Callable[[Any], str]) -> list[Note]:

@@ -5,7 +5,7 @@ position), so every rank builds the same finding and one of them draws it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from ..core.events import RandomOpEvent, SeedCall
@@ -13,7 +13,7 @@ from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
 from .data_reading import SPLITS_A_DATASET
 from .localise import Spot, extra_ops, in_order
-from .protocol import PEERS, POLICY_CODE, Point, Row, gen_key
+from .protocol import PEERS, POLICY_CODE, Point, Row, gen_key, text_hash
 from .step_digest import seeds_said
 
 __all__ = [
@@ -29,12 +29,15 @@ __all__ = [
     "JOIN_WHY",
     "SAMPLED_WHY",
     "OWN_ARGUMENTS_WHY",
+    "OWN_COUNT_WHY",
     "SHARE_WHY",
     "build_finding",
+    "count_key",
     "data_parallel_drift",
     "init_finding",
     "missing_finding",
     "own_arguments",
+    "own_count",
     "pass_order_finding",
     "per_rank_seeding",
     "point_text",
@@ -85,6 +88,11 @@ class Detail:
     # Whether a data-parallel wrapper this rank knows has tensor-parallel peers (ranks that
     # compute on this rank's batch: what it draws for that batch must agree among them).
     peers: bool = False
+    # Rule 9, counts: this rank's ops of this round that ran an op found at the divergent
+    # position (on any rank), by ``count_key`` (op, generator, its seed and its line), each with
+    # its positions in this rank's gathered window; and the key of this rank's op there ("").
+    lines: dict[str, list[int]] = field(default_factory=dict)
+    spot_line: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +105,8 @@ class Detail:
             "order": self.order,
             "call": self.call,
             "peers": self.peers,
+            "lines": self.lines,
+            "spot_line": self.spot_line,
         }
 
     @classmethod
@@ -112,6 +122,8 @@ class Detail:
             order=str(data.get("order", "")),
             call=str(data.get("call", "")),
             peers=bool(data.get("peers", False)),
+            lines={str(k): [int(i) for i in v] for k, v in data.get("lines", {}).items()},
+            spot_line=str(data.get("spot_line", "")),
         )
 
 
@@ -921,6 +933,7 @@ SHARE_WHY = "loading a rank's own share of the data split by "  # ... and Rule 7
 SAMPLED_WHY = "in a generate() call of "  # ... and Rule 8's (a model no wrapper wraps)
 # ... and Rule 9's (followed by the line)
 OWN_ARGUMENTS_WHY = "drawn with each rank's own arguments at "
+OWN_COUNT_WHY = "drawn a number of times of each rank's own at "  # ... Rule 9's, counts
 # ... and those drawn inside torch's Join once a rank has run out of inputs (followed by the Join)
 JOIN_WHY = "after a rank had run out of inputs in "
 # ... and ZeRO-3's GatheredParameters(modifier_rank=r) (followed by r, on every rank)
@@ -1026,6 +1039,50 @@ def own_arguments(spot: Spot, details: dict[int, Detail]) -> tuple[RandomOpEvent
     return first, f"{_DREW_APART} at {first.site}, {own}"
 
 
+def count_key(event: RandomOpEvent, structure: int) -> str:
+    """Rule 9, counts: an op as the ranks compare where each ran it (its row's ``structure``:
+    op, generator and arguments; the generator's seed; its line, as :func:`line_key` reads it);
+    "" for an op with no user frame (no line to tell)."""
+    line = line_key(event)
+    if not line:
+        return ""
+    return f"{structure}:{event.seed}:{text_hash(*(f'{f}:{n}' for f, n in line))}"
+
+
+def own_count(spot: Spot, details: dict[int, Detail]) -> tuple[int, RandomOpEvent, str] | None:
+    """Rule 9, counts: when, where the ranks part, a rank ran an op on a device's default
+    generator, seeded alike, at a line where every other rank ran that op too, from the same
+    seed, earlier in this round (a loop over each rank's own data: a crop drawn until one fits
+    the rank's own image, jitter for each of its own boxes), in a data-parallel program whose
+    ranks each compute on their own batch: that rank, its op and how the ranks moved its
+    generator apart, in words; else None. The ranks ran that line different numbers of times,
+    as they draw different amounts in a data-parallel forward (Rule 2). Not on a torch.Generator
+    of the user's, nor where a wrapper has tensor-parallel peers, an order split among the ranks
+    (Rule 5), a generate() call (Rule 8), or after a user's seeding call on the rank that ran
+    it. Decided from the gathered details only (P5). (The spot's policy is 0 where a rank ran
+    no op there; every op a rank keys by its line is one compared as "same".)"""
+    if spot.kind != "flow" or spot.policy not in (0, POLICY_CODE["same"]):
+        return None
+    if (
+        _splits_an_order(details)
+        or len(details) < 2
+        or any(d.call or d.peers or not d.wrappers for d in details.values())
+    ):
+        return None
+    for rank, d in sorted(details.items()):
+        e = d.event
+        if e is None or not d.spot_line or not e.generator.is_default or reseeded_by_user(e):
+            continue
+        if all(d.spot_line in o.lines for r, o in details.items() if r != rank):
+            others = sorted(r for r in details if r != rank)
+            how = (
+                f"{_DREW_APART} at {e.site}, {e.op}, which {_ranks_word([rank])} ran there more "
+                f"times than {_ranks_word(others)} (a loop over each rank's own data)"
+            )
+            return rank, e, how
+    return None
+
+
 def _alone_phrase(rank: int, why: str) -> str:
     """How ``rank`` drew alone, in words, from its uncompared ops' ``read_alone``."""
     if why.startswith(DISPATCHED_WHY):
@@ -1065,6 +1122,8 @@ def _own_batch(why: str) -> str:
         )
     if why.startswith(OWN_ARGUMENTS_WHY):
         return f"at {why.removeprefix(OWN_ARGUMENTS_WHY)}, with arguments of each rank's own"
+    if why.startswith(OWN_COUNT_WHY):
+        return f"at {why.removeprefix(OWN_COUNT_WHY)}, a number of times of each rank's own"
     if why.startswith(JOIN_WHY):
         return (
             f"in the iterations some ranks ran after another had run out of inputs in "
