@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import aborted_at_exit, scenario_mode
+from _recompute_util import marked_line
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -486,14 +487,16 @@ def ddp_noise_over_own_shapes_then_a_data_split(rank: int, world: int) -> dict[s
 def _jitter_own_boxes(rank: int, steps: int, **kwargs: Any) -> tuple[dict[str, Any], str]:
     """A detector's training step: the loop jitters each box of the rank's own images, one draw
     of the same shape per box, so the ranks draw there as many times as their own images hold
-    boxes (the first step's too: 2 boxes on rank 0, 3 on rank 1) (``_own_batches``)."""
+    boxes (the first step's too: 2 boxes on rank 0, 3 on rank 1), then one more draw, the
+    same on every rank (``_own_batches``)."""
     torch.manual_seed(42)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 4))
 
     def loss_of(model: torch.nn.Module, step: int) -> torch.Tensor:
         boxes = [torch.full((4,), float(b + rank)) for b in range(2 + (rank + step) % 3)]
-        jittered = [box + 0.1 * torch.randn(4) for box in boxes]  # one draw per own box
-        return (model(torch.stack(jittered)) - torch.stack(boxes)).pow(2).mean()
+        jittered = [box + 0.1 * torch.randn(4) for box in boxes]  # <- a draw per own box
+        scale = 1 + 0.01 * torch.rand(1)  # (after the loop: every rank draws it once a step)
+        return ((model(torch.stack(jittered)) - torch.stack(boxes)) * scale).pow(2).mean()
 
     return _own_batches(net, loss_of, steps, **kwargs)
 
@@ -529,6 +532,18 @@ def ddp_jitter_own_boxes_then_one_rank_reseeds(rank: int, world: int) -> dict[st
             torch.manual_seed(99)
 
     return _jitter_own_boxes(rank, 3, after=reseed)[0]
+
+
+def ddp_jitter_own_boxes_then_two_draws_in_another_order(rank: int, world: int) -> dict[str, Any]:
+    """The bug after the count's line: at the second step rank 1 draws two numbers in the other
+    order than rank 0 (each rank ran the other's first op later in the round, not before)."""
+
+    def two_draws(step: int) -> None:
+        if step == 1:
+            for draw in (torch.randn, torch.rand)[:: 1 if rank == 0 else -1]:
+                draw(2)
+
+    return _jitter_own_boxes(rank, 3, after=two_draws)[0]
 
 
 def hand_written_allreduce_jitter_own_boxes(rank: int, world: int) -> dict[str, Any]:
@@ -1431,6 +1446,7 @@ SCENARIOS = [
     "ddp_jitter_for_each_of_its_own_boxes_at_the_step_level",
     "ddp_jitter_own_boxes_then_one_rank_draws_extra",
     "ddp_jitter_own_boxes_then_one_rank_reseeds",
+    "ddp_jitter_own_boxes_then_two_draws_in_another_order",
     "hand_written_allreduce_jitter_own_boxes",
     "ddp_dynamic_padding_under_dropout",
     "ddp_dynamic_padding_then_reseeded_and_one_rank_samples",
@@ -1919,6 +1935,7 @@ def test_a_loop_over_each_ranks_own_data_is_the_ranks_own(two: Any) -> None:
     collective ... but rank 0 ran aten.uniform_.default"); the line's draws are each rank's own,
     the notes say so, and the training is bitwise the same as without rngcheck. At the step level
     too."""
+    _, jitter = marked_line("a draw per own box")
     for name in (
         "ddp_jitter_for_each_of_its_own_boxes",
         "ddp_jitter_for_each_of_its_own_boxes_at_the_step_level",
@@ -1935,14 +1952,20 @@ def test_a_loop_over_each_ranks_own_data_is_the_ranks_own(two: Any) -> None:
                 "it at test_data_parallel.py:"
             ) in text, text
             assert "which rank 1 ran there more times than rank 0" in text, text
+            # The loop's line, not the draw after it that rank 0 ran as rank 1 looped once more.
+            counted = [n for n in r["notes"] if "a number of times of each rank's own" in n]
+            assert (
+                len(counted) == 1 and f"drawn at test_data_parallel.py:{jitter} " in (counted[0])
+            ), counted
+            assert f"at test_data_parallel.py:{jitter}, aten.randn.default, which rank 1" in text
     for rank, r in two.ok("ddp_jitter_for_each_of_its_own_boxes").items():
         assert r["digest"] == r["plain"], rank
 
 
 def test_after_a_counts_line_an_extra_draw_a_reseed_and_no_wrapper_are_found(two: Any) -> None:
     """What the counts clause leaves compared: a rank drawing once more at another line, a rank
-    that reseeds alone (found at its next draw, on the clause's own line), and, with gradients
-    averaged by hand, the different counts themselves."""
+    that reseeds alone (found at its next draw, on the clause's own line), two draws in another
+    order on one rank, and, with gradients averaged by hand, the different counts themselves."""
     for rank, r in two.ok("ddp_jitter_own_boxes_then_one_rank_draws_extra").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         cause = r["findings"][0]["cause"]
@@ -1951,9 +1974,16 @@ def test_after_a_counts_line_an_extra_draw_a_reseed_and_no_wrapper_are_found(two
         assert len(r["findings"]) == 1, (rank, r["findings"])
         cause = r["findings"][0]["cause"]
         assert "torch.manual_seed(99)" in cause, cause
+    for rank, r in two.ok("ddp_jitter_own_boxes_then_two_draws_in_another_order").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["message"].startswith("the ranks ran different random ops"), f
+        assert f["op"] in ("aten.randn.default", "aten.rand.default"), f
     for rank, r in two.ok("hand_written_allreduce_jitter_own_boxes").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
-        assert r["findings"][0]["kind"] == "rank_divergence", r["findings"]
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence" and f["op"] == "aten.randn.default", f
+        assert "ran an extra random op" in f["cause"] or "ran no random op here" in f["message"], f
 
 
 def test_noise_over_own_shapes_without_a_known_wrapper_is_found(two: Any) -> None:

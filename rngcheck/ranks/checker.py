@@ -1263,8 +1263,12 @@ class RankChecker:
             index = kept[self.rank][at] if 0 <= at < len(kept[self.rank]) else -1
             event = events[index] if 0 <= index < len(events) else None  # (not a mark)
             unchecked = sent.uncompared.get(index)
+            # (Rule 9's counts: only in a data-parallel program, which own_count asks every rank)
+            counting = not init and bool(self._dp.wrappers)
             lines, spot_line = (
-                ({}, "") if init else _count_lines(spot, view, windows[self.rank], events, index)
+                _count_lines(spot, view, windows[self.rank], events, index)
+                if counting
+                else ({}, "")
             )
             mine = Detail(
                 event=event,
@@ -1282,6 +1286,7 @@ class RankChecker:
                 peers=any(self._peers_of(w) for w in self._dp.wrappers),
                 lines=lines,
                 spot_line=spot_line,
+                spot_at=index if 0 <= index < len(events) else len(windows[self.rank]),
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
@@ -1333,11 +1338,12 @@ class RankChecker:
                     # comparison on every rank.
                     extra, event_c, how = counted
                     line = (gen_key(event_c), event_c.op)
-                    self._own_lines.setdefault(line, {}).setdefault(line_key(event_c), True)
+                    lines_c = self._own_lines.setdefault(line, {})
+                    by_counts = lines_c.setdefault(line_key(event_c), True)
                     there = details[extra].spot_line
                     for r, d in details.items():
                         dropped.setdefault(r, set()).update(d.lines.get(there, ()))
-                    drawn = (event_c.site, True)
+                    drawn = (event_c.site, by_counts)
                     mine_c = len(details[self.rank].lines.get(there, ()))
                     self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + mine_c
                     self._drifted.setdefault(gen_key(event_c), (event_c.seed, how))
@@ -1417,9 +1423,10 @@ def _count_lines(
 ) -> tuple[dict[str, list[int]], str]:
     """Rule 9, counts: this rank's ops of the round that ran an op found at a control-flow
     divergence on any rank (same op, generator and arguments), by ``count_key``, with their
-    positions in ``window``; and the key of this rank's op at the divergence (``at``), "". Each
-    one's line is read from its stack (about a millisecond): past ``_COUNT_LINES_READ`` of
-    them, none are (the clause does not apply)."""
+    positions in ``window`` (before and after the divergence: a line learnt leaves the round
+    whole); and the key of this rank's op at the divergence (``at``), "". Each one's line is
+    read from its stack (about a millisecond): past ``_COUNT_LINES_READ`` of them, none are
+    (the clause does not apply)."""
     if spot.kind != "flow":
         return {}, ""
     structures = set()

@@ -93,6 +93,7 @@ class Detail:
     # its positions in this rank's gathered window; and the key of this rank's op there ("").
     lines: dict[str, list[int]] = field(default_factory=dict)
     spot_line: str = ""
+    spot_at: int = -1  # this rank's position at the divergence in its window (its end: no op)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +108,7 @@ class Detail:
             "peers": self.peers,
             "lines": self.lines,
             "spot_line": self.spot_line,
+            "spot_at": self.spot_at,
         }
 
     @classmethod
@@ -124,6 +126,7 @@ class Detail:
             peers=bool(data.get("peers", False)),
             lines={str(k): [int(i) for i in v] for k, v in data.get("lines", {}).items()},
             spot_line=str(data.get("spot_line", "")),
+            spot_at=int(data.get("spot_at", -1)),
         )
 
 
@@ -1044,43 +1047,52 @@ def count_key(event: RandomOpEvent, structure: int) -> str:
     op, generator and arguments; the generator's seed; its line, as :func:`line_key` reads it);
     "" for an op with no user frame (no line to tell)."""
     line = line_key(event)
-    if not line:
+    if not line or event.seed is None:
         return ""
     return f"{structure}:{event.seed}:{text_hash(*(f'{f}:{n}' for f, n in line))}"
 
 
 def own_count(spot: Spot, details: dict[int, Detail]) -> tuple[int, RandomOpEvent, str] | None:
-    """Rule 9, counts: when, where the ranks part, a rank ran an op on a device's default
+    """Rule 9, counts: when, where the ranks part, a rank runs an op on a device's default
     generator, seeded alike, at a line where every other rank ran that op too, from the same
-    seed, earlier in this round (a loop over each rank's own data: a crop drawn until one fits
-    the rank's own image, jitter for each of its own boxes), in a data-parallel program whose
-    ranks each compute on their own batch: that rank, its op and how the ranks moved its
-    generator apart, in words; else None. The ranks ran that line different numbers of times,
-    as they draw different amounts in a data-parallel forward (Rule 2). Not on a torch.Generator
-    of the user's, nor where a wrapper has tensor-parallel peers, an order split among the ranks
-    (Rule 5), a generate() call (Rule 8), or after a user's seeding call on the rank that ran
-    it. Decided from the gathered details only (P5). (The spot's policy is 0 where a rank ran
-    no op there; every op a rank keys by its line is one compared as "same".)"""
+    seed, earlier in this round, fewer times than this rank has by then (a loop over each
+    rank's own data: a crop drawn until one fits the rank's own image, jitter for each of its
+    own boxes), in a data-parallel program whose ranks each compute on their own batch: that
+    rank, its op and how the ranks moved its generator apart, in words; else None. The ranks ran
+    that line different numbers of times, as they draw different amounts in a data-parallel
+    forward (Rule 2). Ops the ranks ran in another order are no such loop, nor is a rank whose
+    loop ran no time in the round. Not on a torch.Generator of the user's, nor where a wrapper
+    has tensor-parallel peers, an order split among the ranks (Rule 5), a generate() call
+    (Rule 8), or after a user's seeding call on any rank. Decided from the gathered details only
+    (P5). (The spot's policy is 0 where a rank ran no op there; every op a rank keys by its
+    line is one compared as "same".)"""
     if spot.kind != "flow" or spot.policy not in (0, POLICY_CODE["same"]):
         return None
     if (
         _splits_an_order(details)
         or len(details) < 2
         or any(d.call or d.peers or not d.wrappers for d in details.values())
+        or any(d.event is not None and reseeded_by_user(d.event) for d in details.values())
     ):
         return None
     for rank, d in sorted(details.items()):
-        e = d.event
-        if e is None or not d.spot_line or not e.generator.is_default or reseeded_by_user(e):
+        e, key = d.event, d.spot_line
+        if e is None or not key or not e.generator.is_default:
             continue
-        if all(d.spot_line in o.lines for r, o in details.items() if r != rank):
-            others = sorted(r for r in details if r != rank)
+        ran = _ran_before(d, key, d.spot_at + 1)  # (its op there too)
+        others = {r: _ran_before(o, key, o.spot_at) for r, o in details.items() if r != rank}
+        if all(0 < n < ran for n in others.values()):
             how = (
                 f"{_DREW_APART} at {e.site}, {e.op}, which {_ranks_word([rank])} ran there more "
-                f"times than {_ranks_word(others)} (a loop over each rank's own data)"
+                f"times than {_ranks_word(sorted(others))} (a loop over each rank's own data)"
             )
             return rank, e, how
     return None
+
+
+def _ran_before(detail: Detail, key: str, end: int) -> int:
+    """How many times a rank ran the op ``key`` names before position ``end`` of its window."""
+    return sum(1 for i in detail.lines.get(key, ()) if i < end)
 
 
 def _alone_phrase(rank: int, why: str) -> str:
