@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,12 +69,28 @@ EXIT_ABORT = "terminate called without an active exception"
 
 def aborted_at_exit(run: subprocess.CompletedProcess[str], ranks: int) -> bool:
     """Whether a launch of ``ranks`` ranks that each print "training finished" failed only by
-    that abort at exit (worth running again once, and saying so)."""
+    that abort at exit (worth running again, and saying so)."""
     return (
         run.returncode != 0
         and EXIT_ABORT in run.stderr
         and run.stdout.count("training finished") == ranks
     )
+
+
+EXIT_TRIES = 3  # (twice in a row seen on a loaded machine, RNGCHECK=0: 2 ranks, torch 2.13)
+
+
+def launch_past_exit_aborts(
+    launch: Callable[[], subprocess.CompletedProcess[str]], ranks: int, what: str
+) -> subprocess.CompletedProcess[str]:
+    """``launch()`` of ``ranks`` ranks, again after torch's abort at exit (``EXIT_ABORT``), at
+    most ``EXIT_TRIES`` times in all, saying so on stderr each time."""
+    for _ in range(EXIT_TRIES - 1):
+        run = launch()
+        if not aborted_at_exit(run, ranks):
+            return run
+        print(f"{what}: a rank aborted at exit after training; run again", file=sys.stderr)
+    return launch()
 
 
 @dataclass

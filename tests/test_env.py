@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _dist import aborted_at_exit
+from _dist import launch_past_exit_aborts
 
 from rngcheck.core.findings import Finding
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
@@ -56,11 +56,7 @@ def _torchrun(
     # --standalone: the rendezvous binds a free port itself (a port picked here could be taken
     # by a concurrent test before torchrun binds it); gloo stays on loopback (GLOO_SOCKET_IFNAME).
     args = [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(SCRIPTS / script)]
-    for _ in range(2):  # (again once after torch 2.14's abort at exit: _dist.EXIT_ABORT)
-        r = _run([*args, *script_args], **env)
-        if not aborted_at_exit(r, nproc):
-            break
-    return r
+    return launch_past_exit_aborts(lambda: _run([*args, *script_args], **env), nproc, script)
 
 
 # -- off means off -------------------------------------------------------------------------------
@@ -412,9 +408,10 @@ def test_ranks_started_by_other_launchers_are_checked(tmp_path: Path, launcher: 
 
 def _lightning(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """tests/scripts/train_lightning.py writing into ``out``: rank 0 as the user starts it
-    (again once after torch 2.14's abort at exit: _dist.EXIT_ABORT, also without rngcheck)."""
+    (again after torch's abort at exit: _dist.EXIT_ABORT, also without rngcheck)."""
     out.mkdir()
-    for _ in range(2):
+
+    def launch() -> subprocess.CompletedProcess[str]:
         # Its own session: a timeout kills rank 1 too (rank 0's child, not ours).
         proc = subprocess.Popen(
             [PYTHON, str(SCRIPTS / "train_lightning.py"), str(out)],
@@ -431,33 +428,9 @@ def _lightning(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
-        run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-        if not aborted_at_exit(run, 2):
-            break
-    return run
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
-
-@pytest.mark.slow
-def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_path: Path):
-    # Lightning's DDP starts rank 1 as a child of rank 0 (the process the user started), with
-    # LOCAL_RANK but no RANK: it is another rank of the job, not a helper of rank 0's, and it
-    # takes its rank's report file once the process group names it.
-    from rngcheck.cli import main as cli_main
-
-    # Its data: a LightningDataModule splitting a dataset in setup() with random_split from the
-    # default generator, seeded alike on every rank (correct), and a validation loop.
-    runs = {}
-    for on in ("0", "1"):
-        out = tmp_path / f"out{on}"
-        reports = tmp_path / f"reports{on}"
-        r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports), SPLIT="default")
-        if on == "1":
-            _assert_two_ranks_checked(r, reports)
-        else:
-            assert r.returncode == 0, r.stderr[-3000:]
-        runs[on] = sorted(p.read_text() for p in out.iterdir())
-    assert runs["1"] == runs["0"]  # bitwise: the checker changed nothing
-    assert cli_main(["show", str(tmp_path / "reports1")]) == 0
+    return launch_past_exit_aborts(launch, 2, "train_lightning.py")
 
 
 def _lightning_seeded_per_rank(tmp_path: Path, **env: str) -> dict[int, list[Finding]]:
@@ -575,12 +548,12 @@ def test_a_group_made_by_init_device_mesh_is_bound_too(tmp_path: Path) -> None:
 def _spawned(out: Path, start: str, **env: str) -> subprocess.CompletedProcess[str]:
     """tests/scripts/train_spawned.py: the script starts its two ranks itself (``start``)."""
     out.mkdir()
-    for _ in range(2):  # (again once after gloo's abort at exit: _dist.EXIT_ABORT)
-        script = [PYTHON, str(SCRIPTS / "train_spawned.py"), str(_free_port()), str(out)]
-        r = _run(script, START=start, **env)
-        if not aborted_at_exit(r, 2):
-            break
-    return r
+    script = [PYTHON, str(SCRIPTS / "train_spawned.py")]
+    return launch_past_exit_aborts(
+        lambda: _run([*script, str(_free_port()), str(out)], START=start, **env),
+        2,
+        f"train_spawned.py {start}",
+    )
 
 
 @pytest.mark.slow

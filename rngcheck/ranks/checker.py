@@ -1264,7 +1264,12 @@ class RankChecker:
             event = events[index] if 0 <= index < len(events) else None  # (not a mark)
             unchecked = sent.uncompared.get(index)
             # (Rule 9's counts: only in a data-parallel program, which own_count asks every rank)
-            counting = not init and bool(self._dp.wrappers)
+            counting = (
+                not init
+                and bool(self._dp.wrappers)
+                and spot.kind == "flow"
+                and spot.policy in (0, POLICY_CODE["same"])
+            )
             lines, spot_line = (
                 _count_lines(spot, view, windows[self.rank], events, index)
                 if counting
@@ -1320,8 +1325,8 @@ class RankChecker:
                     event_o = details[self.rank].event  # (own_arguments: every rank has one)
                     assert event_o is not None
                     line = (gen_key(event_o), event_o.op)
-                    self._own_lines.setdefault(line, {}).setdefault(line_key(event_o), False)
-                    drawn = (event_o.site, False)
+                    lines_o = self._own_lines.setdefault(line, {})
+                    drawn = (event_o.site, lines_o.setdefault(line_key(event_o), False))
                     self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + 1
                     common = text_hash(*line, "own arguments")
                     for r, w in windows.items():

@@ -1083,8 +1083,9 @@ def own_count(spot: Spot, details: dict[int, Detail]) -> tuple[int, RandomOpEven
         others = {r: _ran_before(o, key, o.spot_at) for r, o in details.items() if r != rank}
         if all(0 < n < ran for n in others.values()):
             how = (
-                f"{_DREW_APART} at {e.site}, {e.op}, which {_ranks_word([rank])} ran there more "
-                f"times than {_ranks_word(sorted(others))} (a loop over each rank's own data)"
+                f"{_DREW_APART} at {e.site}, {e.op}, which {_ranks_word([rank])} had run there "
+                f"more times than {_ranks_word(sorted(others))} when they parted (a loop over "
+                "each rank's own data)"
             )
             return rank, e, how
     return None
