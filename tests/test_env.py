@@ -433,6 +433,29 @@ def _lightning(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return launch_past_exit_aborts(launch, 2, "train_lightning.py")
 
 
+@pytest.mark.slow
+def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_path: Path):
+    # Lightning's DDP starts rank 1 as a child of rank 0 (the process the user started), with
+    # LOCAL_RANK but no RANK: it is another rank of the job, not a helper of rank 0's, and it
+    # takes its rank's report file once the process group names it.
+    from rngcheck.cli import main as cli_main
+
+    # Its data: a LightningDataModule splitting a dataset in setup() with random_split from the
+    # default generator, seeded alike on every rank (correct), and a validation loop.
+    runs = {}
+    for on in ("0", "1"):
+        out = tmp_path / f"out{on}"
+        reports = tmp_path / f"reports{on}"
+        r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports), SPLIT="default")
+        if on == "1":
+            _assert_two_ranks_checked(r, reports)
+        else:
+            assert r.returncode == 0, r.stderr[-3000:]
+        runs[on] = sorted(p.read_text() for p in out.iterdir())
+    assert runs["1"] == runs["0"]  # bitwise: the checker changed nothing
+    assert cli_main(["show", str(tmp_path / "reports1")]) == 0
+
+
 def _lightning_seeded_per_rank(tmp_path: Path, **env: str) -> dict[int, list[Finding]]:
     """tests/scripts/train_lightning.py with seed_everything(rank), checked with its findings
     recorded: each rank's findings."""
