@@ -60,6 +60,7 @@ from .findings import (
     Uncompared,
     build_finding,
     count_key,
+    counts_may_apply,
     data_parallel_drift,
     init_finding,
     line_key,
@@ -696,6 +697,14 @@ class RankChecker:
         counts = lines.get(line_key(event))
         return None if counts is None else (event.site, counts)
 
+    def _learn_own_line(self, event: RandomOpEvent, *, by_counts: bool, drawn: int) -> None:
+        """Rule 9: ``event``'s line draws its op from its generator with each rank's own
+        arguments, or (``by_counts``) a number of times of each rank's own, from here; ``drawn``
+        of this round's ops there on this rank. A line already learnt keeps how it was."""
+        lines = self._own_lines.setdefault((gen_key(event), event.op), {})
+        key = (event.site, lines.setdefault(line_key(event), by_counts))
+        self._own_drawn[key] = self._own_drawn.get(key, 0) + drawn
+
     def _dtensor(self, event: RandomOpEvent, mesh: Any) -> _Judged:
         """A DTensor random op: compared over its mesh, in the group's order; but inside a
         data-parallel forward whose tensor-parallel peers hold that mesh (dropout on
@@ -1264,12 +1273,7 @@ class RankChecker:
             event = events[index] if 0 <= index < len(events) else None  # (not a mark)
             unchecked = sent.uncompared.get(index)
             # (Rule 9's counts: only in a data-parallel program, which own_count asks every rank)
-            counting = (
-                not init
-                and bool(self._dp.wrappers)
-                and spot.kind == "flow"
-                and spot.policy in (0, POLICY_CODE["same"])
-            )
+            counting = not init and bool(self._dp.wrappers) and counts_may_apply(spot)
             lines, spot_line = (
                 _count_lines(spot, view, windows[self.rank], events, index)
                 if counting
@@ -1324,11 +1328,8 @@ class RankChecker:
                     # leaves the comparison on every rank.
                     event_o = details[self.rank].event  # (own_arguments: every rank has one)
                     assert event_o is not None
-                    line = (gen_key(event_o), event_o.op)
-                    lines_o = self._own_lines.setdefault(line, {})
-                    drawn = (event_o.site, lines_o.setdefault(line_key(event_o), False))
-                    self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + 1
-                    common = text_hash(*line, "own arguments")
+                    self._learn_own_line(event_o, by_counts=False, drawn=1)
+                    common = text_hash(gen_key(event_o), event_o.op, "own arguments")
                     for r, w in windows.items():
                         pos = spot.index_for(r, view[r])
                         if pos < len(kept[r]):
@@ -1342,15 +1343,11 @@ class RankChecker:
                     # seed every rank drew there with); this round's ops there leave the
                     # comparison on every rank.
                     extra, event_c, how = counted
-                    line = (gen_key(event_c), event_c.op)
-                    lines_c = self._own_lines.setdefault(line, {})
-                    by_counts = lines_c.setdefault(line_key(event_c), True)
                     there = details[extra].spot_line
                     for r, d in details.items():
                         dropped.setdefault(r, set()).update(d.lines.get(there, ()))
-                    drawn = (event_c.site, by_counts)
-                    mine_c = len(details[self.rank].lines.get(there, ()))
-                    self._own_drawn[drawn] = self._own_drawn.get(drawn, 0) + mine_c
+                    drawn = len(details[self.rank].lines.get(there, ()))
+                    self._learn_own_line(event_c, by_counts=True, drawn=drawn)
                     self._drifted.setdefault(gen_key(event_c), (event_c.seed, how))
                     drift = (event_c, how)
                 if drift is None:
@@ -1432,8 +1429,6 @@ def _count_lines(
     whole); and the key of this rank's op at the divergence (``at``), "". Each one's line is
     read from its stack (about a millisecond): past ``_COUNT_LINES_READ`` of them, none are
     (the clause does not apply)."""
-    if spot.kind != "flow":
-        return {}, ""
     structures = set()
     for r, w in view.items():
         p = spot.index_for(r, w)

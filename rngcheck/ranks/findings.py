@@ -33,6 +33,7 @@ __all__ = [
     "SHARE_WHY",
     "build_finding",
     "count_key",
+    "counts_may_apply",
     "data_parallel_drift",
     "init_finding",
     "missing_finding",
@@ -1052,6 +1053,12 @@ def count_key(event: RandomOpEvent, structure: int) -> str:
     return f"{structure}:{event.seed}:{text_hash(*(f'{f}:{n}' for f, n in line))}"
 
 
+def counts_may_apply(spot: Spot) -> bool:
+    """Whether Rule 9's counts can explain a divergence of this kind: ops compared as "same"
+    (or none, on some rank) that part in their order."""
+    return spot.kind == "flow" and spot.policy in (0, POLICY_CODE["same"])
+
+
 def own_count(spot: Spot, details: dict[int, Detail]) -> tuple[int, RandomOpEvent, str] | None:
     """Rule 9, counts: when, where the ranks part, a rank runs an op on a device's default
     generator, seeded alike, at a line where every other rank ran that op too, from the same
@@ -1066,10 +1073,9 @@ def own_count(spot: Spot, details: dict[int, Detail]) -> tuple[int, RandomOpEven
     (Rule 8), or after a user's seeding call on any rank. Decided from the gathered details only
     (P5). (The spot's policy is 0 where a rank ran no op there; every op a rank keys by its
     line is one compared as "same".)"""
-    if spot.kind != "flow" or spot.policy not in (0, POLICY_CODE["same"]):
-        return None
     if (
-        _splits_an_order(details)
+        not counts_may_apply(spot)
+        or _splits_an_order(details)
         or len(details) < 2
         or any(d.call or d.peers or not d.wrappers for d in details.values())
         or any(d.event is not None and reseeded_by_user(d.event) for d in details.values())
