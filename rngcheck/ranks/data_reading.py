@@ -59,10 +59,11 @@ before it splits itself by rank (every rank must then draw alike; under
 
 from __future__ import annotations
 
-import inspect
 import sys
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any, NamedTuple
+
+from ..core.known_code import KnownCode
 
 __all__ = [
     "DISPATCHERS",
@@ -140,45 +141,15 @@ _HF_SPLIT = "_distributed"
 _HF_SPLITS = (("world_size", "rank"),)
 _HF_SPLIT_LABEL = "Hugging Face datasets' split_dataset_by_node"
 
-# The functions above by their code objects (a frame runs one exactly: a subclass overriding
-# the method runs its own), resolved as their modules are imported: code -> (label, kind)
-_ENTRIES = {
-    **{key: (label, "order") for key, label in SHARDING_SAMPLERS.items()},
-    **{key: (label, "dispatcher") for key, label in DISPATCHERS.items()},
-    **{key: (label, "shuffle") for key, label in SHUFFLING_SAMPLERS.items()},
-    **{key: ("", kind) for key, kind in FETCHING.items()},
-}
-# Keyed by id(): a code object hashes and compares by its contents (recursively: a module's
-# code hashes every function in it), and a frame runs this very object. Kept alive in _HELD.
-_CODES: dict[int, tuple[str, str]] = {}
-_HELD: list[CodeType] = []
-_WAITING = {module for module, _ in _ENTRIES}  # modules not imported yet
-
-
-def _known() -> dict[int, tuple[str, str]]:
-    """The code objects (by id) of the known functions whose modules are imported by now (one
-    that is being imported is tried again at the next call; a function a version lacks stays
-    unknown). Safe on several threads at once: the worst is one resolved twice, alike."""
-    for module in tuple(_WAITING):
-        mod = sys.modules.get(module)
-        if mod is None or getattr(getattr(mod, "__spec__", None), "_initializing", False):
-            continue
-        for (where, qualname), entry in _ENTRIES.items():
-            if where != module:
-                continue
-            owner, _, name = qualname.rpartition(".")
-            if owner:  # the class's own function (not one it inherits), as a frame of it runs
-                cls = getattr(mod, owner, None)
-                func = vars(cls).get(name) if isinstance(cls, type) else None
-            else:  # a module's function
-                func = vars(mod).get(name)
-            # (the function itself, should a version wrap it: a wrapper's code is shared)
-            code = getattr(inspect.unwrap(func) if func is not None else None, "__code__", None)
-            if isinstance(code, CodeType):
-                _HELD.append(code)
-                _CODES[id(code)] = entry
-        _WAITING.discard(module)
-    return _CODES
+# The functions above by their code objects: code -> (label, kind)
+_KNOWN = KnownCode(
+    {
+        **{key: (label, "order") for key, label in SHARDING_SAMPLERS.items()},
+        **{key: (label, "dispatcher") for key, label in DISPATCHERS.items()},
+        **{key: (label, "shuffle") for key, label in SHUFFLING_SAMPLERS.items()},
+        **{key: ("", kind) for key, kind in FETCHING.items()},
+    }
+)
 
 
 class Reading(NamedTuple):
@@ -202,7 +173,7 @@ def data_reading(skip: int = 0) -> Reading:
     compares in a data-parallel program, one that loaded a dispatcher or read its own share of
     the data, and before the first step, which run outside the wrappers' forward and backward
     (a shuffle, a collator's masking, a draw in the training loop)."""
-    known = _known()
+    known = _KNOWN.table()
     frame: FrameType | None = sys._getframe(skip + 1)
     depth = 0
     inner: list[FrameType] = []  # the samplers' __iter__ frames below the wrapper's
