@@ -423,8 +423,16 @@ class RankChecker:
         return op_mesh(args, kwargs)
 
     def on_collective(self, func: Any, args: tuple = ()) -> None:
+        """A collective is an exchange point, but not one in the backward of a DDP that holds
+        a communication hook: each rank sees as many of the hook's collectives as its futures'
+        timing allows."""
         self._dp.refresh()
-        if self._checking and not any(self._joins) and self._spans_domain(args):
+        if (
+            self._checking
+            and not any(self._joins)
+            and self._spans_domain(args)
+            and not self._dp.in_hooked_backward()
+        ):
             self._exchange(Point.COLLECTIVE, str(func))
 
     def _spans_domain(self, args: tuple) -> bool:

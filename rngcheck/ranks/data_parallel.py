@@ -82,6 +82,7 @@ __all__ = ["DataParallelTracker", "Sampling", "Wrapper", "optimizer_parameters"]
 log = logging.getLogger(__name__)
 
 _DDP_MODULE = "torch.nn.parallel.distributed"
+_DDP_KIND = "DistributedDataParallel"
 _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP2_MODULE = "torch.distributed.fsdp"
 _DEEPSPEED_MODULE = "deepspeed.runtime.engine"
@@ -224,6 +225,7 @@ class DataParallelTracker:
         self._patching = threading.RLock()  # refresh() and uninstall(), one at a time
         self._closed = True  # until install()
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
+        self.hooked = False  # ... and it holds a communication hook of the user's (DDP's)
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
         self.staged: dict[str, int] = {}  # ... of which in a pipeline schedule's stages
@@ -238,6 +240,21 @@ class DataParallelTracker:
         if stack:
             return stack[-1]
         return self.backward if in_backward else None
+
+    def in_hooked_backward(self) -> bool:
+        """Whether this thread runs backward after the forward of a ``DistributedDataParallel``
+        that holds a communication hook registered in Python (``register_comm_hook``: PowerSGD's,
+        a user's). Its bucket all-reduces are then the hook's, and a hook may chain collectives
+        through futures whose callbacks run on this thread or on gloo's, as the collective
+        before happens to be done or not: how many of them a rank's thread sees differs by
+        timing."""
+        wrapper = self.backward
+        return (
+            self.hooked
+            and wrapper is not None
+            and wrapper.kind == _DDP_KIND
+            and torch._C._current_graph_task_id() != -1
+        )
 
     def generating(self) -> Wrapper | None:
         """The wrapper whose module is generating on this thread (Hugging Face's
@@ -271,6 +288,7 @@ class DataParallelTracker:
 
     def on_step(self) -> None:
         self.backward = None
+        self.hooked = False
 
     @property
     def active(self) -> bool:
@@ -362,6 +380,7 @@ class DataParallelTracker:
         self._local.sampling.clear()
         self._local.joins.clear()
         self.backward = None
+        self.hooked = False
 
     def _patch(self, owner: Any, name: str, replacement: Any) -> None:
         had_own = name in vars(owner)
@@ -615,6 +634,8 @@ class DataParallelTracker:
             finally:
                 stack.pop()
                 tracker.backward = wrapper
+                # (DDP: communication hooks registered in Python, which run in its backward)
+                tracker.hooked = bool(getattr(module, "_comm_hooks", None))
 
         if own is not None:
             forward = functools.wraps(own)(forward)
@@ -630,7 +651,7 @@ class DataParallelTracker:
 
     @staticmethod
     def _ddp_wrapper(ddp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
-        kind = "DistributedDataParallel"
+        kind = _DDP_KIND
         if bound is None:  # built before the mode: its group is all that matters now
             ranks = _group_ranks(ddp.process_group)
             return Wrapper(kind=kind, ranks=ranks, peers=_peers(ddp.module, ranks))
