@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .core.comm_hooks import comm_hook_drawing
 from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config, check_writable
 from .core.digest import tensor_digest
@@ -69,7 +70,13 @@ _ACTIVE_LOCK = threading.Lock()
 _MAX_NOTE_SITES = 64
 _TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
 # Rebuilt at every read of the report.
-_DERIVED_NOTES = ("backward_random_ops", "findings_dropped", "not_compared", "step_level_drift")
+_DERIVED_NOTES = (
+    "backward_random_ops",
+    "comm_hook_random_ops",
+    "findings_dropped",
+    "not_compared",
+    "step_level_drift",
+)
 _PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 
 
@@ -208,6 +215,7 @@ class RNGConsistencyMode:
         self._entered = False
         self._pid = os.getpid()
         self._backward_sites: dict[str, list[Any]] = {}
+        self._hook_draws: dict[str, int] = {}  # communication hook -> its random ops in backward
         self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
         # level="step": which steps run op by op, the checkpoint probe between them, and what
         # the step level saw (escalations wished for here, drifts the ranks agreed on).
@@ -691,6 +699,23 @@ class RNGConsistencyMode:
                     stack=stack,
                 )
             )
+        for hook, count in self._hook_draws.items():
+            across = (
+                "; compared across the ranks by state, since every replica must draw them alike"
+                if self._ranks is not None
+                else ""
+            )
+            notes.append(
+                Note(
+                    kind="comm_hook_random_ops",
+                    message=(
+                        f"{count} random op(s) in backward were drawn by {hook}: its low-rank "
+                        "matrices Q, in a fork of the default generator that the hook restores"
+                        f"{across}."
+                    ),
+                    count=count,
+                )
+            )
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
         if self._drifts:
@@ -1027,6 +1052,10 @@ class RNGConsistencyMode:
         warnings.warn(f"rngcheck: {what}.", RNGCheckCoverageWarning, stacklevel=2)
 
     def _note_backward(self, event: RandomOpEvent) -> None:
+        hook = comm_hook_drawing()
+        if hook:  # randomness that belongs in backward: the gradient exchange's own
+            self._hook_draws[hook] = self._hook_draws.get(hook, 0) + 1
+            return
         site = event.site
         entry = self._backward_sites.get(site)
         if entry is not None:

@@ -1107,6 +1107,64 @@ def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode)
 
 
+def _powersgd_training(
+    rank: int, steps: int, random_seed: int, checked: bool = True, **mode: Any
+) -> tuple[dict[str, Any], str]:
+    """DDP with torch's PowerSGD communication hook, which draws its low-rank Q in backward, in a
+    fork of the default generator seeded from ``PowerSGDState``'s ``random_seed`` (from the
+    second step on, afresh at each step: ``warm_start=False``). Each rank trains on batches of
+    its own size, so its dropout draws its own amounts from the default generator (they part
+    there by design), and every rank draws once more from it after each step (a random choice
+    for the logs: compared by what runs). Returns the summary (``checked``: under a mode made
+    with ``mode``) and a digest of the parameters trained."""
+    import hashlib
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    data = torch.Generator().manual_seed(100 + rank)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 32)
+    )
+    with _mode(**mode) if checked else contextlib.nullcontext() as m:
+        model = DDP(net)
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=2,
+            warm_start=False,
+            random_seed=random_seed,
+        )
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            x = torch.randn(8 + 4 * rank, 32, generator=data)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            torch.rand(1)  # a random choice for the logs, on every rank
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
+    return (_summary(m) if m is not None else {}), digest.hexdigest()
+
+
+def ddp_powersgd_seeded_alike(rank: int, world: int) -> dict[str, Any]:
+    """Correct: PowerSGDState's default random_seed on every rank; at the op level and at the
+    step level (every other step checked op by op), and the same training without rngcheck."""
+    summary, digest = _powersgd_training(rank, 5, random_seed=0)
+    step, _ = _powersgd_training(rank, 7, random_seed=0, level="step", sample_every=2)
+    _, plain = _powersgd_training(rank, 5, random_seed=0, checked=False)
+    return {**summary, "digest": digest, "plain": plain, "step_level": step}
+
+
+def ddp_powersgd_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
+    """The bug: random_seed=rank (a script's seed + rank habit), so each rank starts its Q from
+    another state; at the op level, and at the step level (found at a step checked op by op)."""
+    summary, _ = _powersgd_training(rank, 4, random_seed=rank)
+    step, _ = _powersgd_training(rank, 7, random_seed=rank, level="step", sample_every=3)
+    return {**summary, "step_level": step}
+
+
 def ddp_comm_hook_collective_runs_inline_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """A communication hook shaped as PowerSGD's: a collective, then another one in a callback
     chained on its future. A callback chained on a future already done runs at once on the
@@ -1542,6 +1600,8 @@ SCENARIOS = [
     "ddp_rank1_steps_once_more_at_the_step_level",
     "ddp_rank1_steps_once_more_to_a_full_round",
     "ddp_then_a_head_on_every_rank_collected_on_rank0",
+    "ddp_powersgd_seeded_alike",
+    "ddp_powersgd_seeded_per_rank",
     "ddp_comm_hook_collective_runs_inline_on_one_rank",
 ]
 
@@ -2639,6 +2699,40 @@ def test_which_optimizer_leads_does_not_depend_on_garbage_collection(two: Any) -
     for rank, r in two.ok("ddp_then_a_head_on_every_rank_collected_on_rank0").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
+
+
+def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> None:
+    """Rule 10, correct: the hook's Q is compared by state even though each rank's dropout moved
+    the default generator apart; the fork it draws in leaves the generator as it was, so the
+    draw after each step is still compared by what runs. Quiet at both levels, and bitwise the
+    same training as without rngcheck."""
+    results = two.ok("ddp_powersgd_seeded_alike")
+    for rank, r in results.items():
+        assert r["findings"] == [], (rank, r["findings"])
+        assert r["step_level"]["findings"] == [], (rank, r["step_level"]["findings"])
+        assert r["digest"] == r["plain"], rank
+        # The note on randomness in backward names the hook, not a possible redraw of dropout.
+        text = "\n".join(r["notes"])
+        assert "random op(s) in backward were drawn by torch's PowerSGD hook" in text, text
+        assert "compared across the ranks by state" in text, text
+        assert "ran during backward" not in text, text
+    assert len({r["digest"] for r in results.values()}) == 1  # (DDP keeps the replicas equal)
+
+
+def test_powersgd_hook_seeded_per_rank_is_found_at_the_hooks_draw(two: Any) -> None:
+    """Rule 10: ranks that start PowerSGD's Q from different states are found at its randn in
+    backward (Rule 2 left every draw there to the rank before), with the hook named, the seeds,
+    and the fix; at the step level too, at a step checked op by op."""
+    for rank, r in two.ok("ddp_powersgd_seeded_per_rank").items():
+        for summary in (r, r["step_level"]):
+            assert len(summary["findings"]) == 1, (rank, summary["findings"])
+            f = summary["findings"][0]
+            assert f["kind"] == "rank_divergence" and f["op"] == "aten.randn.default", f
+            assert f["differs"] == "state", f
+            cause = f["cause"]
+            assert cause.startswith("torch's PowerSGD hook compresses each gradient bucket"), f
+            assert "it is seeded differently on each rank (initial seed " in cause, cause
+            assert "Give PowerSGDState the same random_seed on every rank" in cause, cause
 
 
 def test_a_comm_hooks_collectives_are_no_exchange_points(two: Any) -> None:

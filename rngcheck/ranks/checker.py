@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..core.events import FORWARD, RandomOpEvent
+from ..core.comm_hooks import FORKING_HOOKS, comm_hook_drawing
+from ..core.events import BACKWARD, FORWARD, RandomOpEvent
 from ..core.findings import Finding, FindingKind, Note
 from ..core.handle import CheckerHandle
 from ..core.policy import current_expectation
@@ -615,9 +616,11 @@ class RankChecker:
         op of a generate() call on a model no wrapper wraps, why the call's ops are this rank's
         own (the op is compared as the call; "" for any other), and, for an op of a
         data-parallel forward whose wrapper has tensor-parallel peers, those peers (the op is
-        compared among them alone). The frames are walked once, in a data-parallel program, one
-        that loaded a dispatcher (Rule 6) or reads its own share of the data (Rule 7, also
-        before the first step), and not for the ops of a wrapper's forward."""
+        compared among them alone). A draw of torch's PowerSGD hook in a wrapper's backward is
+        compared by state, as an order is, with the hook in the order's place (Rule 10). The
+        frames are walked once, in a data-parallel program, one that loaded a dispatcher (Rule
+        6) or reads its own share of the data (Rule 7, also before the first step), and for the
+        ops of a wrapper's backward only once the PowerSGD hook is imported."""
         if event.expect == "ignore":
             return _Judged("under expect('ignore')", "", "")
         if mesh is not None:  # declared: DTensor's contract (its mesh) ...
@@ -630,6 +633,9 @@ class RankChecker:
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
+                hook = comm_hook_drawing() if event.phase is BACKWARD else ""
+                if hook:  # Rule 10: the gradient exchange's own draws, by state (as Rule 5's)
+                    return _Judged("", hook, "")
                 return self._own_batch(wrapper, DATA_PARALLEL_WHY)
             wrapper = self._dp.generating()
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2: its module samples
@@ -802,7 +808,10 @@ class RankChecker:
         if call:
             self._calls[len(self._pending)] = call
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
-        drifted = self._drifted.get(gen) if self._drifted else None
+        # (a communication hook draws in a fork of the generator, undone as it returns: what it
+        # drew leaves the generator's marks as they were)
+        forked = order in FORKING_HOOKS
+        drifted = self._drifted.get(gen) if self._drifted and not forked else None
         if drifted is not None:
             oob = event.out_of_band
             if event.seed == drifted[0] and not (oob is not None and oob.user_calls):
@@ -1287,6 +1296,7 @@ class RankChecker:
                 if counting
                 else ({}, "")
             )
+            order = sent.orders.get(index, "") if not init else ""
             mine = Detail(
                 event=event,
                 point=where,
@@ -1295,10 +1305,11 @@ class RankChecker:
                 else (),
                 uncompared=None if init or unchecked is None else unchecked.public(),
                 wrappers=tuple(w.label for w in self._dp.wrappers),
+                # (a hook's fork of the generator starts where the hook seeded it)
                 drifted=self._drifted.get(gen_key(event), (None, ""))[1]
-                if event is not None
+                if event is not None and order not in FORKING_HOOKS
                 else "",
-                order=sent.orders.get(index, "") if not init else "",
+                order=order,
                 call=sent.calls.get(index, "") if not init else "",
                 peers=any(self._peers_of(w) for w in self._dp.wrappers),
                 lines=lines,

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from ..core.comm_hooks import POWER_SGD
 from ..core.events import RandomOpEvent, SeedCall
 from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
@@ -580,7 +581,7 @@ def _order_advice(order: str, seeded: RandomOpEvent | None) -> str:
     it, when the ranks seeded its generator differently (under PyTorch Lightning, which makes
     the sampler with seed_everything's seed, that is where the seed came from)."""
     advice = _ORDER_ADVICE.get(order, _DRAW_ALIKE).replace("{order}", order)
-    if order == SPLITS_A_DATASET:  # (not a sampler Lightning made)
+    if order in (SPLITS_A_DATASET, POWER_SGD):  # (not a sampler Lightning made)
         return advice
     if seeded is not None and any(
         d in f.filename.replace("\\", "/") for f in seeded.stack.frames for d in _LIGHTNING_DIRS
@@ -631,10 +632,19 @@ _SPLIT_DATASET = (
     "an epoch trains on some samples twice and on others never; ranks that share a batch "
     "(tensor or pipeline parallelism) read different data."
 )
+_POWER_SGD_WHAT = (
+    "{order} compresses each gradient bucket into low-rank matrices P and Q, starting Q from "
+    "random values that every replica must draw alike (torch seeds them from PowerSGDState's "
+    "random_seed for that), and the ranks drew them from {gen} in different states: each rank "
+    "projects its gradient onto a different subspace before P and Q are all-reduced, so every "
+    "rank applies an update that is not the compressed mean gradient (the replicas stay equal, "
+    "nothing fails, and training converges worse)."
+)
 _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
     "accelerate's IterableDatasetShard": _STREAM,
     "transformers' IterableDatasetShard": _STREAM,
     SPLITS_A_DATASET: _SPLIT_DATASET,
+    POWER_SGD: _POWER_SGD_WHAT,
 }
 
 
@@ -708,6 +718,10 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
         "Give random_split a generator seeded alike on every rank "
         "(generator=torch.Generator().manual_seed(seed)); where each rank splits a shard of "
         "its own on purpose, mark the split with rngcheck.expect('differ')"
+    ),
+    POWER_SGD: (
+        "Give PowerSGDState the same random_seed on every rank (its default, 0, is the same), "
+        "and restore the same state on every rank when resuming"
     ),
 }
 
