@@ -700,18 +700,15 @@ class RNGConsistencyMode:
                 )
             )
         for hook, count in self._hook_draws.items():
-            across = (
-                "; compared across the ranks by state, since every replica must draw them alike"
-                if self._ranks is not None
-                else ""
-            )
             notes.append(
                 Note(
                     kind="comm_hook_random_ops",
                     message=(
-                        f"{count} random op(s) in backward were drawn by {hook}: its low-rank "
-                        "matrices Q, in a fork of the default generator that the hook restores"
-                        f"{across}."
+                        f"{count} random op(s) in backward were drawn by {hook}: its random "
+                        "sketches Q, in a fork of the default generator that the hook restores "
+                        "(randomness that belongs in backward; across the ranks, where the "
+                        "wrapper spans them, every replica must draw it alike: rule 10 of the "
+                        "data-parallel docs)."
                     ),
                     count=count,
                 )

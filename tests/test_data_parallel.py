@@ -1108,15 +1108,21 @@ def ddp_dropout_masks_differ(rank: int, world: int) -> dict[str, Any]:
 
 
 def _powersgd_training(
-    rank: int, steps: int, random_seed: int, checked: bool = True, **mode: Any
+    rank: int,
+    steps: int,
+    random_seed: int,
+    checked: bool = True,
+    warm_start: bool = False,
+    **mode: Any,
 ) -> tuple[dict[str, Any], str]:
     """DDP with torch's PowerSGD communication hook, which draws its low-rank Q in backward, in a
-    fork of the default generator seeded from ``PowerSGDState``'s ``random_seed`` (from the
-    second step on, afresh at each step: ``warm_start=False``). Each rank trains on batches of
-    its own size, so its dropout draws its own amounts from the default generator (they part
-    there by design), and every rank draws once more from it after each step (a random choice
-    for the logs: compared by what runs). Returns the summary (``checked``: under a mode made
-    with ``mode``) and a digest of the parameters trained."""
+    fork of the default generator seeded from ``PowerSGDState``'s ``random_seed``: from the
+    third step on, afresh at each step (``warm_start=False``) or at the first only. Each rank
+    trains on batches of its own size, so its dropout draws its own amounts from the default
+    generator (they part there by design), and every rank draws once more from it after every
+    third step, the first time after the first compressed step (a random choice for the logs:
+    compared by what runs). Returns the summary (``checked``: under a mode made with ``mode``)
+    and a digest of the parameters trained."""
     import hashlib
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -1133,17 +1139,18 @@ def _powersgd_training(
             process_group=None,
             matrix_approximation_rank=2,
             start_powerSGD_iter=2,
-            warm_start=False,
+            warm_start=warm_start,
             random_seed=random_seed,
         )
         model.register_comm_hook(state, powersgd.powerSGD_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(steps):
+        for step in range(steps):
             x = torch.randn(8 + 4 * rank, 32, generator=data)
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-            torch.rand(1)  # a random choice for the logs, on every rank
+            if step % 3 == 2:
+                torch.rand(1)  # a random choice for the logs, on every rank
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
     return (_summary(m) if m is not None else {}), digest.hexdigest()
 
@@ -1151,10 +1158,11 @@ def _powersgd_training(
 def ddp_powersgd_seeded_alike(rank: int, world: int) -> dict[str, Any]:
     """Correct: PowerSGDState's default random_seed on every rank; at the op level and at the
     step level (every other step checked op by op), and the same training without rngcheck."""
-    summary, digest = _powersgd_training(rank, 5, random_seed=0)
+    summary, digest = _powersgd_training(rank, 6, random_seed=0)
     step, _ = _powersgd_training(rank, 7, random_seed=0, level="step", sample_every=2)
-    _, plain = _powersgd_training(rank, 5, random_seed=0, checked=False)
-    return {**summary, "digest": digest, "plain": plain, "step_level": step}
+    warm, _ = _powersgd_training(rank, 6, random_seed=0, warm_start=True)
+    _, plain = _powersgd_training(rank, 6, random_seed=0, checked=False)
+    return {**summary, "digest": digest, "plain": plain, "step_level": step, "warm": warm}
 
 
 def ddp_powersgd_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
@@ -1162,7 +1170,8 @@ def ddp_powersgd_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
     another state; at the op level, and at the step level (found at a step checked op by op)."""
     summary, _ = _powersgd_training(rank, 4, random_seed=rank)
     step, _ = _powersgd_training(rank, 7, random_seed=rank, level="step", sample_every=3)
-    return {**summary, "step_level": step}
+    warm, _ = _powersgd_training(rank, 4, random_seed=rank, warm_start=True)
+    return {**summary, "step_level": step, "warm": warm}
 
 
 def ddp_comm_hook_collective_runs_inline_on_one_rank(rank: int, world: int) -> dict[str, Any]:
@@ -1170,7 +1179,9 @@ def ddp_comm_hook_collective_runs_inline_on_one_rank(rank: int, world: int) -> d
     chained on its future. A callback chained on a future already done runs at once on the
     calling thread, else later on gloo's: here rank 0 waits first (under load, timing alone
     decides it, which stopped correct PowerSGD training with "rank(s) 0 did not reach RNG
-    exchange #22 within 30 s"). Correct training, under the mode and without it."""
+    exchange #22 within 30 s"). Between the forward and its backward, a frozen teacher wrapped
+    in a DDP of its own (no hook) runs forward too. Correct training, under the mode and without
+    it."""
     import hashlib
 
     import torch.distributed as dist
@@ -1200,9 +1211,14 @@ def ddp_comm_hook_collective_runs_inline_on_one_rank(rank: int, world: int) -> d
         with _mode() if checked else contextlib.nullcontext() as m:
             model = DDP(net)
             model.register_comm_hook(None, averaged)
+            teacher = DDP(torch.nn.Linear(16, 16))  # (frozen: run under no_grad)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for _ in range(4):
-                model(torch.randn(4, 16, generator=data)).square().mean().backward()
+                x = torch.randn(4, 16, generator=data)
+                out = model(x)
+                with torch.no_grad():
+                    target = teacher(x)
+                (out - target).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
@@ -2708,13 +2724,13 @@ def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> N
     same training as without rngcheck."""
     results = two.ok("ddp_powersgd_seeded_alike")
     for rank, r in results.items():
-        assert r["findings"] == [], (rank, r["findings"])
-        assert r["step_level"]["findings"] == [], (rank, r["step_level"]["findings"])
+        for summary in (r, r["step_level"], r["warm"]):
+            assert summary["findings"] == [], (rank, summary["findings"])
         assert r["digest"] == r["plain"], rank
         # The note on randomness in backward names the hook, not a possible redraw of dropout.
         text = "\n".join(r["notes"])
         assert "random op(s) in backward were drawn by torch's PowerSGD hook" in text, text
-        assert "compared across the ranks by state" in text, text
+        assert "every replica must draw it alike" in text, text
         assert "ran during backward" not in text, text
     assert len({r["digest"] for r in results.values()}) == 1  # (DDP keeps the replicas equal)
 
@@ -2722,9 +2738,10 @@ def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> N
 def test_powersgd_hook_seeded_per_rank_is_found_at_the_hooks_draw(two: Any) -> None:
     """Rule 10: ranks that start PowerSGD's Q from different states are found at its randn in
     backward (Rule 2 left every draw there to the rank before), with the hook named, the seeds,
-    and the fix; at the step level too, at a step checked op by op."""
+    and the fix; at the step level too, at a step checked op by op; and with PowerSGD's
+    default warm_start=True, which draws Q at the first compressed step only."""
     for rank, r in two.ok("ddp_powersgd_seeded_per_rank").items():
-        for summary in (r, r["step_level"]):
+        for summary in (r, r["step_level"], r["warm"]):
             assert len(summary["findings"]) == 1, (rank, summary["findings"])
             f = summary["findings"][0]
             assert f["kind"] == "rank_divergence" and f["op"] == "aten.randn.default", f

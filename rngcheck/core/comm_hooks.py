@@ -8,9 +8,10 @@ draws ``Q`` from a normal distribution (at each compression, or at the first one
 default CPU generator inside ``fork_rng``, reseeded from ``PowerSGDState``'s own NumPy
 generator (``random_seed``, 0 by default), so that, in torch's words, "the initial random values
 are the same across all the DDP replicas". Ranks that draw different ``Q`` (a
-``random_seed=seed + rank``) all-reduce projections onto different subspaces: every rank still
-applies the same update, so nothing fails and the replicas stay equal, but the update is not the
-compressed mean gradient, and training converges worse.
+``random_seed=seed + rank``) all-reduce a mix of different random projections of their
+gradients: every rank still applies the same update, so nothing fails and the replicas stay
+equal, but the mean gradient is projected onto another subspace than PowerSGD computes (at every
+compressed step with ``warm_start=False``, at the first one with ``warm_start=True``).
 
 Such a draw runs in the wrapper's backward, where Rule 2 leaves every draw to the rank (each
 rank's dropout over its own batch); the rank checker compares it across the ranks by state

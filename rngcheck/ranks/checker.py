@@ -633,7 +633,11 @@ class RankChecker:
         if not declared:
             wrapper = self._dp.current(event.phase is not FORWARD)
             if wrapper is not None and self.rank in wrapper.ranks:  # Rule 2
-                hook = comm_hook_drawing() if event.phase is BACKWARD else ""
+                hook = (
+                    comm_hook_drawing()
+                    if event.phase is BACKWARD and self._spans_group(wrapper)
+                    else ""
+                )
                 if hook:  # Rule 10: the gradient exchange's own draws, by state (as Rule 5's)
                     return _Judged("", hook, "")
                 return self._own_batch(wrapper, DATA_PARALLEL_WHY)
@@ -735,6 +739,12 @@ class RankChecker:
             return _COMPARED
         return self._own_batch(wrapper, DATA_PARALLEL_WHY)
 
+    def _spans_group(self, wrapper: Wrapper) -> bool:
+        """Rule 10: whether ``wrapper``'s ranks hold every rank of the mode's group and it has no
+        tensor-parallel peers, so that its communication hook runs alike on every rank compared
+        (a DDP over a subgroup, a pipeline stage's, reduces buckets of its own)."""
+        return set(wrapper.ranks) >= set(self._domain) and not self._peers_of(wrapper)
+
     def _own_batch(self, wrapper: Wrapper, why: str) -> _Judged:
         """Rule 2: an op of the wrapper's forward/backward (``why``: DATA_PARALLEL_WHY; a
         pipeline schedule's step, PIPELINE_WHY) or of generate() on its module (GENERATE_WHY),
@@ -790,13 +800,17 @@ class RankChecker:
         if members:
             self._stream_members[stream] = members
         gen = gen_key(event)
-        seen = f"{gen} peers" if peers else gen  # (first uses: among the peers, and the group's)
+        # (a communication hook draws in a fork of the generator, undone as it returns: like a
+        # peers row, its row sees what the generator drew uncompared and leaves it, and its
+        # first use, to the generator's next row of its own)
+        forked = order in FORKING_HOOKS
+        aside = peers or forked
+        # (first uses: among the peers, in a hook's fork, and the group's)
+        seen = f"{gen} peers" if peers else f"{gen} fork" if forked else gen
         if seen not in self._seen_generators:
             self._seen_generators.add(seen)
             self._first_use.add(len(self._pending))
-        # (a peers row sees what the generator drew uncompared, and leaves it to the group's
-        # next row)
-        uncompared = self._uncompared.get(gen) if peers else self._uncompared.pop(gen, None)
+        uncompared = self._uncompared.get(gen) if aside else self._uncompared.pop(gen, None)
         if uncompared is not None:
             self._uncompared_before[len(self._pending)] = uncompared
         if not peers:
@@ -808,9 +822,6 @@ class RankChecker:
         if call:
             self._calls[len(self._pending)] = call
         rebased = bool(self._rebase) and slot_of(event.generator) in self._rebase
-        # (a communication hook draws in a fork of the generator, undone as it returns: what it
-        # drew leaves the generator's marks as they were)
-        forked = order in FORKING_HOOKS
         drifted = self._drifted.get(gen) if self._drifted and not forked else None
         if drifted is not None:
             oob = event.out_of_band

@@ -225,7 +225,7 @@ class DataParallelTracker:
         self._patching = threading.RLock()  # refresh() and uninstall(), one at a time
         self._closed = True  # until install()
         self.backward: Wrapper | None = None  # the wrapper whose forward ran last
-        self.hooked = False  # ... and it holds a communication hook of the user's (DDP's)
+        self.hooked = False  # a DDP that holds a Python communication hook ran forward
         self.wrappers: list[Wrapper] = []  # every wrapper seen, in order
         self.ops: dict[str, int] = {}  # random ops not compared, per wrapper label
         self.staged: dict[str, int] = {}  # ... of which in a pipeline schedule's stages
@@ -242,19 +242,14 @@ class DataParallelTracker:
         return self.backward if in_backward else None
 
     def in_hooked_backward(self) -> bool:
-        """Whether this thread runs backward after the forward of a ``DistributedDataParallel``
-        that holds a communication hook registered in Python (``register_comm_hook``: PowerSGD's,
-        a user's). Its bucket all-reduces are then the hook's, and a hook may chain collectives
+        """Whether this thread runs backward after the forward, since the last step, of a
+        ``DistributedDataParallel`` that holds a communication hook registered in Python
+        (``register_comm_hook``: PowerSGD's, a user's, the one DDP's ``mixed_precision``
+        registers). Its bucket all-reduces are then the hook's, and a hook may chain collectives
         through futures whose callbacks run on this thread or on gloo's, as the collective
         before happens to be done or not: how many of them a rank's thread sees differs by
-        timing."""
-        wrapper = self.backward
-        return (
-            self.hooked
-            and wrapper is not None
-            and wrapper.kind == _DDP_KIND
-            and torch._C._current_graph_task_id() != -1
-        )
+        timing. (Every rank decides it from the order its program ran in.)"""
+        return self.hooked and torch._C._current_graph_task_id() != -1
 
     def generating(self) -> Wrapper | None:
         """The wrapper whose module is generating on this thread (Hugging Face's
@@ -634,8 +629,9 @@ class DataParallelTracker:
             finally:
                 stack.pop()
                 tracker.backward = wrapper
-                # (DDP: communication hooks registered in Python, which run in its backward)
-                tracker.hooked = bool(getattr(module, "_comm_hooks", None))
+                # (DDP: communication hooks registered in Python, which run in its backward;
+                # kept to the step, whatever other wrappers' forwards run before backward)
+                tracker.hooked = tracker.hooked or bool(getattr(module, "_comm_hooks", None))
 
         if own is not None:
             forward = functools.wraps(own)(forward)

@@ -633,12 +633,13 @@ _SPLIT_DATASET = (
     "(tensor or pipeline parallelism) read different data."
 )
 _POWER_SGD_WHAT = (
-    "{order} compresses each gradient bucket into low-rank matrices P and Q, starting Q from "
-    "random values that every replica must draw alike (torch seeds them from PowerSGDState's "
-    "random_seed for that), and the ranks drew them from {gen} in different states: each rank "
-    "projects its gradient onto a different subspace before P and Q are all-reduced, so every "
-    "rank applies an update that is not the compressed mean gradient (the replicas stay equal, "
-    "nothing fails, and training converges worse)."
+    "{order} compresses each gradient bucket by a sketch M Q of random values Q that every "
+    "replica must draw alike (torch seeds them from PowerSGDState's random_seed for that), and "
+    "the ranks drew them from {gen} in different states: the all-reduced sketch mixes a "
+    "different random projection of each rank's gradient, so the mean gradient is projected "
+    "onto another subspace than PowerSGD computes (at every compressed step with "
+    "warm_start=False, at the first one with warm_start=True); the replicas stay equal and "
+    "nothing fails, and training may converge worse."
 )
 _ORDER_WHAT = {  # what the sampler named does, when it is not splitting a sampler's order
     "accelerate's IterableDatasetShard": _STREAM,
@@ -721,7 +722,8 @@ _ORDER_ADVICE = {  # how to get a shared order from the sampler named
     ),
     POWER_SGD: (
         "Give PowerSGDState the same random_seed on every rank (its default, 0, is the same), "
-        "and restore the same state on every rank when resuming"
+        "and restore the same state on every rank when resuming (the seeds above are the ones "
+        "the hook drew from its own generator, which random_seed seeds)"
     ),
 }
 
