@@ -82,7 +82,6 @@ __all__ = ["DataParallelTracker", "Sampling", "Wrapper", "optimizer_parameters"]
 log = logging.getLogger(__name__)
 
 _DDP_MODULE = "torch.nn.parallel.distributed"
-_DDP_KIND = "DistributedDataParallel"
 _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
 _FSDP2_MODULE = "torch.distributed.fsdp"
 _DEEPSPEED_MODULE = "deepspeed.runtime.engine"
@@ -647,7 +646,7 @@ class DataParallelTracker:
 
     @staticmethod
     def _ddp_wrapper(ddp: Any, bound: inspect.BoundArguments | None) -> Wrapper:
-        kind = _DDP_KIND
+        kind = "DistributedDataParallel"
         if bound is None:  # built before the mode: its group is all that matters now
             ranks = _group_ranks(ddp.process_group)
             return Wrapper(kind=kind, ranks=ranks, peers=_peers(ddp.module, ranks))
