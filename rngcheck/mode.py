@@ -250,6 +250,9 @@ class RNGConsistencyMode:
         # (op level, rebased slots), applied at the next optimizer step with none waiting.
         self._postponed: tuple[bool, tuple[int, ...]] | None = None
         self._postponements = 0
+        # The last switch went between samples with no drifted slot, and it held: a switch
+        # that stays there has nothing to change (the common step at level="step").
+        self._between = False
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -580,6 +583,9 @@ class RNGConsistencyMode:
         interceptor = self._interceptor
         if interceptor is None:
             return
+        if self._between and not op_level and not drifted and interceptor.suspended:
+            return  # between samples, and staying there: what the last switch set holds
+        self._between = False
         if self._ranks is not None:
             self._ranks.set_checking(op_level, drifted)
         if threading.get_ident() != self._thread:
@@ -599,6 +605,7 @@ class RNGConsistencyMode:
             if self._probe is not None:
                 self._probe.active = True
             self._seeds.quiet = True
+            self._between = not drifted
         else:
             self._stuck_steps += 1  # another mode above ours: this step stays op by op
 

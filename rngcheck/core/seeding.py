@@ -138,7 +138,11 @@ class SeedCallLog:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # torch.manual_seed calls torch.cuda.manual_seed_all: note one
-                by_torch = target.library or _library_code(sys._getframe(1).f_code)
+                code = sys._getframe(1).f_code
+                known = _library_peek(id(code))  # (twice a region: checkpoint's restore)
+                by_torch = target.library or (
+                    known[1] if known is not None else _library_code(code)
+                )
                 if by_torch and self.quiet:
                     return original(*args, **kwargs)  # (what it calls is the library's too)
                 self.counter += 1
@@ -175,6 +179,7 @@ def _from_library(code: CodeType) -> bool:
 # Whether a seeding call from a code object is the library's own (learned once per code: a
 # checkpoint's restore makes two such calls a region).
 _library_code = CodeFlags(_from_library, limit=4096)
+_library_peek = _library_code.peek
 
 
 def register_library_dir(path: str) -> None:

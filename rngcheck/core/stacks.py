@@ -106,12 +106,15 @@ class CodeFlags:
     graph from the module when it dies (after ``torch._dynamo.reset()``, or when a compiled
     function goes), which a strong reference here would hold back forever."""
 
-    __slots__ = ("_learn", "_known", "_limit")
+    __slots__ = ("_learn", "_known", "_limit", "peek")
 
     def __init__(self, learn: Callable[[CodeType], bool], limit: int = 65536) -> None:
         self._learn = learn
         self._known: dict[int, tuple[weakref.ReferenceType[CodeType], bool]] = {}
         self._limit = limit  # generated code can make many code objects
+        # peek(id(code)): (ref, flag) once learned, else None. For the hottest callers: a
+        # C call where ``self(code)`` is a Python one (``self(code)`` learns it when None).
+        self.peek = self._known.get
 
     def __call__(self, code: CodeType) -> bool:
         known = self._known.get(id(code))
@@ -147,9 +150,11 @@ def user_frame(skip: int = 0) -> tuple[str, int] | None:
     """(filename, line) of the caller's innermost user frame, found by walking the live frames
     (a microsecond or two: no stack is captured or summarised)."""
     frame: FrameType | None = sys._getframe(skip + 1)
+    peek = is_user_code.peek
     while frame is not None:
         code = frame.f_code
-        if is_user_code(code):
+        known = peek(id(code))
+        if known[1] if known is not None else is_user_code(code):
             return code.co_filename, frame.f_lineno
         frame = frame.f_back
     return None

@@ -509,7 +509,7 @@ class RankChecker:
     def on_step(self, optimizer: Any) -> None:
         """An optimizer step ended (the mode calls this, from its one step hook)."""
         self._dp.on_step()
-        self._dp.refresh()
+        self._dp.refresh(if_imported=True)
         self._settle_due()
         if any(self._joins):
             # P7: no exchange point, but this iteration's Join round is settled first: a step

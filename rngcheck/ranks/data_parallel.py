@@ -220,6 +220,7 @@ class DataParallelTracker:
         self._known: weakref.WeakKeyDictionary[Any, Wrapper] = weakref.WeakKeyDictionary()
         self._saved: list[tuple[Any, str, Any, bool]] = []  # owner, name, original, had_own
         self._patched: set[str] = set()
+        self._modules_seen = 0  # len(sys.modules) at the last refresh
         self._unwatch: Callable[[], None] | None = None
         self._patching = threading.RLock()  # refresh() and uninstall(), one at a time
         self._closed = True  # until install()
@@ -298,13 +299,18 @@ class DataParallelTracker:
         # patched as its import ends, before the program can build or run a wrapper.
         self._unwatch = watch_imports(_WATCHED, lambda _: self.refresh())
 
-    def refresh(self) -> None:
+    def refresh(self, *, if_imported: bool = False) -> None:
         """Patch the wrapper classes of modules imported since the last call (cheap when none).
         Called from the program's thread and from an import on any thread: one at a time, and
-        never after uninstall()."""
+        never after uninstall(). ``if_imported`` (at every optimizer step): only when a module
+        entered ``sys.modules`` since the last call (the import hook already patched any module
+        that came in by an import; this catches one placed there otherwise)."""
+        if if_imported and len(sys.modules) == self._modules_seen:
+            return
         with self._patching:
             if not self._closed:
-                self._refresh()
+                self._modules_seen = len(sys.modules)  # (read first: one added meanwhile is
+                self._refresh()  # patched now or counted at the next call)
 
     def _refresh(self) -> None:
         if _DDP_MODULE not in self._patched and _DDP_MODULE in sys.modules:
