@@ -444,6 +444,7 @@ class RNGConsistencyMode:
         """
         if self._entered and self._ranks is None:
             self._ranks = self._start_ranks()
+            self._between = False  # the next switch tells the new checker the level, in full
             # The splits drawn before it, compared from here on: only from a window that still
             # holds every op drawn before (a rank that dropped some could not tell its splits).
             if self._ranks is not None and self._window.total == len(self._window.events):

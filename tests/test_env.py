@@ -325,6 +325,27 @@ def test_a_data_split_before_init_process_group_is_compared_once_the_group_is_up
 
 
 @pytest.mark.slow
+def test_steps_before_init_process_group_leave_the_late_checker_at_the_step_level(
+    tmp_path: Path,
+) -> None:
+    """RNGCHECK_LEVEL=step on a script that steps an optimizer of its own before it creates the
+    process group: the mode is between samples when the rank checker starts, and the checker
+    learns it at the next training step (no exchange at every step between samples)."""
+    env = {"RNGCHECK_LEVEL": "step", "RNGCHECK_REPORT": str(tmp_path), "STEPS": "40"}
+    r = _torchrun(2, "train_steps_before_init.py", RNGCHECK="1", **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        report = Report.load(tmp_path / f"rank{rank}.json")
+        assert report.ok
+        meta = report.meta
+        assert meta["process_group"]["bound_after_step"] == 4
+        # the DDP model's optimizer took over as the lead after 16 steps: 4 + 24 steps counted
+        assert meta["level"]["steps"] >= 20 and meta["level"]["op_level"] == ["1-2"], meta
+        # (26 when the new checker was left checking op by op: one exchange at every step)
+        assert meta["rank_exchange"]["exchanges"] < 5, meta["rank_exchange"]
+
+
+@pytest.mark.slow
 def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     from rngcheck.cli import main as cli_main
 

@@ -302,15 +302,20 @@ class DataParallelTracker:
     def refresh(self, *, if_imported: bool = False) -> None:
         """Patch the wrapper classes of modules imported since the last call (cheap when none).
         Called from the program's thread and from an import on any thread: one at a time, and
-        never after uninstall(). ``if_imported`` (at every optimizer step): only when a module
-        entered ``sys.modules`` since the last call (the import hook already patched any module
-        that came in by an import; this catches one placed there otherwise)."""
+        never after uninstall(). ``if_imported`` (at every optimizer step): only when the number
+        of modules in ``sys.modules`` changed since the last call, or a watched one was still
+        being executed then (imported on another thread). The import hook patches a module that
+        comes in through rngcheck's finder as its import ends; this catches, at the next step,
+        one that came in another way (a finder ahead of rngcheck's, a loader without
+        ``exec_module``, a module put into ``sys.modules`` by hand), unless another module left
+        ``sys.modules`` as it came."""
         if if_imported and len(sys.modules) == self._modules_seen:
             return
         with self._patching:
             if not self._closed:
-                self._modules_seen = len(sys.modules)  # (read first: one added meanwhile is
-                self._refresh()  # patched now or counted at the next call)
+                seen = len(sys.modules)  # (read first: one added meanwhile is patched now or
+                self._refresh()  # counted at the next call)
+                self._modules_seen = -1 if _executing(_WATCHED) else seen
 
     def _refresh(self) -> None:
         if _DDP_MODULE not in self._patched and _DDP_MODULE in sys.modules:
@@ -794,6 +799,16 @@ def _tensor_parallel(model: Any) -> bool:
         return any(isinstance(p, dtensor) for p in model.parameters())
     except Exception:  # noqa: BLE001 - never break the user's generate(): compared, then
         return True
+
+
+def _executing(names: tuple[str, ...]) -> bool:
+    """Whether one of the modules ``names`` is in ``sys.modules`` but still being executed (its
+    import runs on another thread: its classes may not exist yet)."""
+    for name in names:
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if getattr(spec, "_initializing", False):  # (importlib's mark while it runs the module)
+            return True
+    return False
 
 
 def _call(own: Any, cls: Any, module: Any, args: tuple, kwargs: dict) -> Any:
