@@ -119,8 +119,17 @@ def writes_first_argument(func: Any) -> bool:
 
 
 def op_name(func: Any) -> str:
-    """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them."""
-    return func.name() if isinstance(func, HigherOrderOperator) else str(func)
+    """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them (kept per
+    op: torch formats an OpOverload's name in Python at every ``str``, once per random op)."""
+    name = _OP_NAMES.get(func)
+    if name is None:
+        name = func.name() if isinstance(func, HigherOrderOperator) else str(func)
+        if len(_OP_NAMES) < 4096:  # (ops made at run time: the table stops growing)
+            _OP_NAMES[func] = name
+    return name
+
+
+_OP_NAMES: dict[Any, str] = {}
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}

@@ -1,7 +1,7 @@
 """Call stacks captured cheaply at a random op and summarised only when a report needs them.
 
 A record must not keep frames (they pin every local of the training step) or tensors alive, so a
-stack is captured as a ``CapturedTraceback`` (~4 us, code objects and offsets only) and turned into
+stack is captured as a ``CapturedTraceback`` (~1 us, code objects and offsets only) and turned into
 plain :class:`Frame` records the first time anything reads it.
 """
 
@@ -20,6 +20,13 @@ from typing import Any
 
 import torch
 from torch.utils._traceback import CapturedTraceback
+
+# What CapturedTraceback.extract() calls (torch 2.1 on), called directly once per random op.
+_gather: Callable[..., Any] | None
+try:
+    from torch._C._profiler import gather_traceback as _gather
+except ImportError:  # pragma: no cover - a torch without it: extract() as it is
+    _gather = None
 
 __all__ = ["CodeFlags", "Frame", "Stack", "is_internal_file", "user_frame", "user_site"]
 
@@ -201,6 +208,9 @@ class Stack:
         # The whole stack, always: rngcheck's and torch's frames are marked internal and
         # filtered when read. Skipping a counted number of frames would cut into the user's
         # frames on torch versions with fewer wrapper frames between them and the mode.
+        if _gather is not None:  # (what extract() does, without its Python call and import)
+            tb = CapturedTraceback(_gather(python=True, script=False, cpp=False), 1)
+            return cls(tb, innermost=innermost)
         return cls(CapturedTraceback.extract(skip=1), innermost=innermost)
 
     @classmethod
