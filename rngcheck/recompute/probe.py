@@ -149,14 +149,10 @@ class StateProbe:
         whose recompute it stops early has nothing for generator states to show: the CPU
         default is the one generator it can draw from (counted when so)."""
         gens = self._generators(devices)
-        if len(gens) != 1:
-            return False
-        known, first = self._cpu_first  # (_cpu_default_first's cache, read here: every region)
-        if known is not gens:
-            first = self._cpu_default_first(gens)
-        if first:
+        if len(gens) == 1 and self._cpu_default_first(gens):
             self.stats["restored_and_stopped_early"] += 1
-        return first
+            return True
+        return False
 
     def _cpu_default_first(self, gens: tuple[Any, ...]) -> bool:
         known, first = self._cpu_first

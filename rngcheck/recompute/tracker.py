@@ -355,7 +355,7 @@ class _Passes:
     (``context_fn`` returns it twice); the first entry is the forward (a recompute may also run
     inside it: ``torch.autograd.grad`` in the checkpointed function). A pass that runs while
     ops are checked one by one is a :class:`_PhaseBlock`; a subclass says what its other passes
-    do (``__enter__``, and ``_ended`` or its own ``__exit__``)."""
+    do (``__enter__``, ``_ended``)."""
 
     __slots__ = ("_tracker", "_forward_ran", "_open")
 
@@ -450,11 +450,7 @@ class _RestoredPasses(_Passes):
     __slots__ = ("_function", "number", "__weakref__")
 
     def __init__(self, tracker: RecomputeTracker, function: Any) -> None:
-        # (_Passes.__init__ written out: four of these a step on the benchmark's model, where
-        # each Python call between torch's kernels runs from cold caches)
-        self._tracker = tracker
-        self._forward_ran = False
-        self._open: list[Any] = []
+        super().__init__(tracker)
         tracker.stats["regions"] += 1
         self._function = function
         self.number = next(tracker._numbers)  # (checkpoint #N counts the calls)
@@ -484,16 +480,9 @@ class _RestoredPasses(_Passes):
         )
         self._block(region, RECOMPUTE)
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        open_ = self._open
-        if not open_:
-            return
-        opened = open_.pop()
-        if opened is FORWARD:
-            if exc_type is None and self._tracker.live:
-                self._tracker._forward_ended(self)
-        elif opened is not RECOMPUTE:  # a _PhaseBlock
-            opened.__exit__(exc_type, exc, tb)
+    def _ended(self, opened: Phase, completed: bool) -> None:
+        if opened is FORWARD and completed and self._tracker.live:
+            self._tracker._forward_ended(self)
 
 
 def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> None:
