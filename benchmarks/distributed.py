@@ -90,8 +90,8 @@ def _rngcheck_available() -> str:
 @contextlib.contextmanager
 def _timed_exchanges() -> Iterator[dict[str, list[float]]]:
     """Wall and CPU time of each exchange, for attribution only: it wraps a private method of
-    rngcheck.ranks and records nothing if that method is gone."""
-    from rngcheck import ranks
+    rngcheck.ranks.checker and records nothing if that method is gone."""
+    from rngcheck.ranks import checker as ranks
 
     times: dict[str, list[float]] = {c: [] for c in CLOCKS}
     original = getattr(ranks.RankChecker, "_exchange_now", None)

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from .core.comm_hooks import comm_hook_drawing
 from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config, check_writable
 from .core.digest import tensor_digest
@@ -74,6 +73,7 @@ _DERIVED_NOTES = (
     "backward_random_ops",
     "comm_hook_random_ops",
     "findings_dropped",
+    "learnt",
     "not_compared",
     "step_level_drift",
 )
@@ -215,7 +215,7 @@ class RNGConsistencyMode:
         self._entered = False
         self._pid = os.getpid()
         self._backward_sites: dict[str, list[Any]] = {}
-        self._hook_draws: dict[str, int] = {}  # communication hook -> its random ops in backward
+        self._hook_draws: dict[Any, int] = {}  # communication hook -> its random ops in backward
         self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
         # level="step": which steps run op by op, the checkpoint probe between them, and what
         # the step level saw (escalations wished for here, drifts the ranks agreed on).
@@ -383,6 +383,7 @@ class RNGConsistencyMode:
             seeding_calls=self._seeds.since,
             meta=self._report.meta,
             identify=identify,
+            coverage=self._coverage_gap,
         )
 
     def _start_ranks(self) -> Any:
@@ -707,20 +708,10 @@ class RNGConsistencyMode:
                     stack=stack,
                 )
             )
-        for hook, count in self._hook_draws.items():
-            notes.append(
-                Note(
-                    kind="comm_hook_random_ops",
-                    message=(
-                        f"{count} random op(s) in backward were drawn by {hook}: its random "
-                        "sketches Q, in a fork of the default generator that the hook restores "
-                        "(randomness that belongs in backward; across the ranks, where the "
-                        "wrapper spans them, every replica must draw it alike: rule 10 of the "
-                        "data-parallel docs)."
-                    ),
-                    count=count,
-                )
-            )
+        if self._hook_draws:
+            from .ranks.explain import sketch_note
+
+            notes += [sketch_note(hook, count) for hook, count in self._hook_draws.items()]
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
         if self._drifts:
@@ -879,7 +870,7 @@ class RNGConsistencyMode:
         mesh = written = None
         if self._ranks is not None:
             # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
-            # group; an in-place op's target tells a parameter's initialisation (Rule 4).
+            # group; an in-place op's target tells a parameter's initialisation (replicated.py).
             mesh = self._ranks.mesh_of(args, kwargs)
             written = args[0] if args and writes_first_argument(func) else None
         self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written)
@@ -1057,8 +1048,10 @@ class RNGConsistencyMode:
         warnings.warn(f"rngcheck: {what}.", RNGCheckCoverageWarning, stacklevel=2)
 
     def _note_backward(self, event: RandomOpEvent) -> None:
-        hook = comm_hook_drawing()
-        if hook:  # randomness that belongs in backward: the gradient exchange's own
+        from .ranks.scopes import sketch
+
+        hook = sketch()
+        if hook is not None:  # randomness that belongs in backward: the gradient exchange's own
             self._hook_draws[hook] = self._hook_draws.get(hook, 0) + 1
             return
         site = event.site

@@ -15,7 +15,9 @@ from rngcheck.core.events import OutOfBandChange, Phase, RandomOpEvent, SeedCall
 from rngcheck.core.findings import FindingKind
 from rngcheck.core.generators import GeneratorId
 from rngcheck.core.stacks import Frame, Stack
-from rngcheck.ranks.findings import Detail, build_finding
+from rngcheck.ranks.detail import Detail, Uncompared
+from rngcheck.ranks.explain import apart_text, seeded_text, uncompared_reasons
+from rngcheck.ranks.findings import build_finding
 from rngcheck.ranks.groups import resolve_group
 from rngcheck.ranks.localise import localise
 from rngcheck.ranks.protocol import POLICY_CODE, Point, Row
@@ -249,13 +251,13 @@ def _seeded(seed: int, args: tuple[str, ...], *, number: int = 1, before: int = 
 
 
 def test_a_per_rank_stream_may_draw_per_rank_arguments_but_ranks_seeded_alike_must_agree() -> None:
-    from rngcheck.ranks.findings import per_rank_seeding
+    from rngcheck.ranks.generators import per_rank_seeding
     from rngcheck.ranks.localise import Spot
 
     flow = Spot("flow", 0, policy=1)
     crops = {r: _d(_seeded(100 + r, (f"high={13 - r}",)), "x") for r in range(2)}
     seeded = per_rank_seeding(flow, crops)
-    assert seeded is not None and "seeded differently on each rank" in seeded[1]
+    assert seeded is not None and "seeded differently on each rank" in seeded_text(seeded[1])
     # seed + data-parallel rank under tensor parallelism: ranks 0-1 share a seed, 2-3 another.
     # Ranks 0 and 1 drew different arguments from one seed: seeding does not explain that.
     shared = {r: _d(_seeded(42 + r // 2, (f"high={13 - r}",)), "x") for r in range(4)}
@@ -273,7 +275,7 @@ def test_rule_9_a_default_generator_drawing_each_ranks_own_arguments() -> None:
     """Rule 9 is decided from the gathered details alone: the same op at the same line on a
     default generator seeded alike, with each rank's own arguments, in a data-parallel program
     whose wrappers have no tensor-parallel peers; nothing else."""
-    from rngcheck.ranks.findings import own_arguments
+    from rngcheck.ranks.generators import own_arguments
     from rngcheck.ranks.localise import Spot
 
     ddp = ["DistributedDataParallel over ranks 0-1"]
@@ -296,7 +298,7 @@ def test_rule_9_a_default_generator_drawing_each_ranks_own_arguments() -> None:
     flow = Spot("flow", 0, policy=1)
     own = own_arguments(flow, details())
     assert own is not None and own[0].op == "aten.randn_like.default"
-    assert own[1] == (
+    assert apart_text(own[1]) == (
         "the ranks drew different amounts from it at train.py:19, aten.randn_like.default with "
         "arguments of each rank's own (float32[2, 4, 8, 8] on rank 0; float32[2, 4, 8, 12] on "
         "rank 1)"
@@ -306,7 +308,8 @@ def test_rule_9_a_default_generator_drawing_each_ranks_own_arguments() -> None:
     assert own_arguments(flow, details(seeds=(42, 43))) is None  # seeded per rank: Rule 3's
     assert own_arguments(flow, details(wrappers=[])) is None  # no data-parallel wrapper known
     assert own_arguments(flow, details(peers=True)) is None  # tensor-parallel peers share a batch
-    assert own_arguments(flow, details(order="torch's random_split")) is None  # Rule 5
+    split = {"reason": "split", "subject": "torch's random_split"}
+    assert own_arguments(flow, details(order=split)) is None  # an order every rank walks
     assert own_arguments(Spot("flow", 0, policy=3), details()) is None  # declared: as declared
     assert own_arguments(Spot("state", 0, stream=7, policy=1), details()) is None
     reseeded = details()
@@ -340,16 +343,12 @@ def test_same_line_with_other_arguments_or_another_generator_is_said_as_it_is() 
 def test_a_generate_call_on_some_ranks_only_is_said_as_the_call() -> None:
     """Rule 8: a row that stands for a generate() call (Detail.call) on some ranks and not on
     the others is said as the call, whichever side is the smaller."""
-    from rngcheck.ranks.findings import SAMPLED_WHY
-
     call, dropout = _row("call", 11, 0), _row("bernoulli", 1, 2)
     sampled = _event(4, "aten.multinomial.default", ("utils.py", 3277))
     for callers, world in (((0,), 2), ((0, 2), 3)):
         windows = {r: [call, dropout] if r in callers else [dropout] for r in range(world)}
         details = {
-            r: Detail.from_dict(
-                {"event": sampled, "point": "x", "call": f"{SAMPLED_WHY}GPT2LMHeadModel"}
-            )
+            r: Detail.from_dict({"event": sampled, "point": "x", "call": "GPT2LMHeadModel"})
             if r in callers
             else _d(_event(4, "aten.bernoulli_.float", ("model.py", 9)), "x")
             for r in range(world)
@@ -394,20 +393,16 @@ def test_different_arguments_in_a_forward_say_when_no_rank_knows_a_wrapper() -> 
 
 def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_data() -> None:
     from rngcheck.core.events import OutOfBandChange, SeedCall
-    from rngcheck.ranks.findings import (
-        DISPATCHED_WHY,
-        GATHERED_WHY,
-        SHARE_WHY,
-        Uncompared,
-        data_parallel_drift,
-    )
+    from rngcheck.ranks.generators import data_parallel_drift
     from rngcheck.ranks.localise import Spot
+    from rngcheck.ranks.verdict import Apart, Compare, Domain, Reason, Verdict
+
+    def why(reason: Reason, subject: str = "", source: str = "", rank: int = -1) -> Verdict:
+        return Verdict(Domain.RANK, Compare.NONE, reason, subject, source, rank=rank)
 
     state = Spot("state", 0, stream=7, policy=1)
     ddp = "DistributedDataParallel over ranks 0-1"
-    forward = Uncompared(
-        12, "aten.bernoulli_.float", "model.py:9", f"in the data-parallel forward/backward of {ddp}"
-    )
+    forward = Uncompared(12, "aten.bernoulli_.float", "model.py:9", why(Reason.OWN_BATCH, ddp))
 
     def detail(before: int, **kw: object) -> Detail:
         event = RandomOpEvent.from_dict(_seeded(0, (), before=before))
@@ -421,37 +416,48 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     moved = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=forward)}
     found = data_parallel_drift(state, moved)
     assert found is not None
-    assert found[1] == (
+    assert apart_text(found[1]) == (
         f"the ranks drew different amounts from it in the forward and backward of {ddp} "
         "(each rank's own batch shapes)"
     )
     # Rule 6: a rank that read every rank's batches alone is the surer cause (rank 1 here).
     dispatcher = "accelerate's DataLoaderDispatcher"
-    alone_why = f"{DISPATCHED_WHY}{dispatcher}"
-    reading = Uncompared(3, "aten.randperm.default", "data.py:4", "x", read_alone=alone_why)
+    alone_why = why(Reason.READ_ALONE, dispatcher)
+    reading = Uncompared(
+        3, "aten.randperm.default", "data.py:4", why(Reason.IGNORED), alone=alone_why
+    )
     read = {0: detail(11, uncompared=forward), 1: detail(15, uncompared=reading)}
     found = data_parallel_drift(state, read)
-    assert found is not None and found[1] == (
+    assert found is not None and apart_text(found[1]) == (
         f"the ranks drew different amounts from it while rank 1 alone read every rank's "
         f"batches for {dispatcher}"
     )
-    assert reading.reasons == f"x or {alone_why}"
+    assert uncompared_reasons(reading) == (
+        f"under expect('ignore') or reading every rank's batches alone for {dispatcher}"
+    )
     # ZeRO-3: rank 0 alone initialised parameters that GatheredParameters broadcast from it.
-    why = f"{GATHERED_WHY}0"
-    init = Uncompared(2, "aten.normal_.default", "initialization.py:54", why, read_alone=why)
+    gathered = why(
+        Reason.BROADCAST,
+        "deepspeed GatheredParameters",
+        "deepspeed.runtime.zero.partition_parameters:GatheredParameters",
+        rank=0,
+    )
+    init = Uncompared(2, "aten.normal_.default", "initialization.py:54", gathered, gathered)
     found = data_parallel_drift(state, {0: detail(11, uncompared=init), 1: detail(15)})
-    assert found is not None and found[1] == (
+    assert found is not None and apart_text(found[1]) == (
         "the ranks drew different amounts from it while rank 0 drew inside a deepspeed "
         "GatheredParameters region broadcast by it (ZeRO-3: the parameters it gathered are that "
         "rank's as it exits)"
     )
-    assert init.reasons == why
-    # Rule 7: each rank loaded its own share of the data (a collator's masking).
+    assert uncompared_reasons(init) == (
+        "inside a deepspeed GatheredParameters region broadcast by rank 0"
+    )
+    # Each rank loaded its own share of the data (a collator's masking).
     split = "torch's DistributedSampler"
-    mask = Uncompared(4, "aten.bernoulli.default", "collate.py:3", f"{SHARE_WHY}{split}")
+    mask = Uncompared(4, "aten.bernoulli.default", "collate.py:3", why(Reason.OWN_SHARE, split))
     loaded = {r: detail(11 + 4 * r, uncompared=mask) for r in (0, 1)}
     found = data_parallel_drift(state, loaded)
-    assert found is not None and found[1] == (
+    assert found is not None and apart_text(found[1]) == (
         "the ranks drew different amounts from it while each loaded its own share of the data, "
         f"split by {split} (a dataset's or collator's draws over each rank's own samples)"
     )
@@ -463,12 +469,13 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
     assert data_parallel_drift(state, three) is None
     assert data_parallel_drift(state, {0: detail(11), 1: detail(15)}) is None  # nothing drew
     # Known on one rank only (its rows were sent before every rank knew): still one decision.
-    known = {0: detail(11, drifted=ddp), 1: detail(15)}
-    assert data_parallel_drift(state, known) == (known[0].event, ddp)
+    apart = Apart(Reason.OWN_BATCH, ddp)
+    known = {0: detail(11, apart=apart), 1: detail(15)}
+    assert data_parallel_drift(state, known) == (known[0].event, apart)
     # A rank reseeded it itself just before: that is the divergence, on every rank.
     site = Stack(frames=(Frame(filename="/app/train.py", lineno=57, name="train"),))
     call = SeedCall(api="torch.manual_seed", argument="99", stack=site)
-    reseeded = {0: detail(11, drifted=ddp), 1: detail(15, oob=OutOfBandChange(calls=(call,)))}
+    reseeded = {0: detail(11, apart=apart), 1: detail(15, oob=OutOfBandChange(calls=(call,)))}
     assert data_parallel_drift(state, reseeded) is None
     # A resume: every rank of a data-parallel program restored a state of its own (each rank's
     # saved state, which the forward had moved apart before the save).
@@ -478,12 +485,12 @@ def test_a_generator_moved_apart_by_data_parallel_work_is_decided_from_gathered_
         for r in (0, 1)
     }
     found = data_parallel_drift(state, resumed)
-    assert found is not None and found[1].startswith(
+    assert found is not None and apart_text(found[1]).startswith(
         "each rank restored a state of its own into it (torch.random.set_rng_state(<state>) "
         "at train.py:57"
     ), found
     # ... not when one rank alone restored (its own stale state), nor outside data parallelism,
-    # nor after seeds (per-rank seeds are Rule 3's, decided before).
+    # nor after seeds (per-rank seeds are learnt as per-rank streams, decided before).
     alone = {0: detail(11, wrappers=(ddp,)), 1: resumed[1]}
     assert data_parallel_drift(state, alone) is None
     # At the generator's first op under the mode the restore is among its seeding calls.
@@ -512,12 +519,23 @@ class _Recording(torch.utils.data.Sampler):
         return self.n
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        from rngcheck.ranks.data_reading import data_reading
+        from rngcheck.ranks.scopes import reading
 
-        reading = data_reading()
-        self.seen.append(reading.order)
-        self.readings.append(reading)
+        now = reading()
+        self.seen.append(_label(now.order))
+        self.readings.append(now)
         return iter(range(self.n))
+
+
+def _label(hook: Any) -> str:
+    """How the report names the code a walk of the frames found ("" for none)."""
+    return hook.label if hook is not None else ""
+
+
+def _order() -> str:
+    from rngcheck.ranks.scopes import reading
+
+    return _label(reading(skip=1).order)
 
 
 def test_torchs_own_samplers_with_replacement_under_a_splitting_one_are_no_order() -> None:
@@ -527,7 +545,7 @@ def test_torchs_own_samplers_with_replacement_under_a_splitting_one_are_no_order
     what drew, for a pipeline."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from rngcheck.ranks.data_reading import data_reading
+    from rngcheck.ranks.scopes import reading
 
     accelerate = pytest.importorskip("accelerate.data_loader")
     seen: list[tuple[bool, str, str]] = []
@@ -535,8 +553,8 @@ def test_torchs_own_samplers_with_replacement_under_a_splitting_one_are_no_order
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if torch.Tag.nondeterministic_seeded in func.tags:
-                reading = data_reading()
-                seen.append((replacement, reading.order, reading.shuffle))
+                now = reading()
+                seen.append((replacement, _label(now.order), _label(now.shuffle)))
             return func(*args, **(kwargs or {}))
 
     for replacement in (True, False):
@@ -574,9 +592,7 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
         seen: list[str] = []
 
         def __iter__(self):  # type: ignore[no-untyped-def]
-            from rngcheck.ranks.data_reading import data_reading
-
-            self.seen.append(data_reading().order)
+            self.seen.append(_order())
             return super().__iter__()
 
     for replacement in (True, False):
@@ -590,9 +606,7 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
         seen: list[str] = []
 
         def __iter__(self):  # type: ignore[no-untyped-def]
-            from rngcheck.ranks.data_reading import data_reading
-
-            self.seen.append(data_reading().order)
+            self.seen.append(_order())
             yield from range(4)
 
     list(Stream())
@@ -608,9 +622,7 @@ def test_a_sampler_splitting_an_order_among_the_ranks_is_known_by_what_iterates_
         seen: list[str] = []
 
         def __len__(self) -> int:
-            from rngcheck.ranks.data_reading import data_reading
-
-            self.seen.append(data_reading().order)
+            self.seen.append(_order())
             return 4
 
     class Own(torch.utils.data.DistributedSampler):
@@ -634,7 +646,7 @@ def test_a_dispatcher_reading_every_ranks_batches_is_known_whatever_splits_below
     accelerate = pytest.importorskip("accelerate.data_loader")
     from accelerate.state import PartialState
 
-    from rngcheck.ranks.data_reading import NOT_READING, Reading, data_reading
+    from rngcheck.ranks.scopes import NOT_READING, Reading, reading
 
     sampler = _Recording()
     list(torch.utils.data.DataLoader(range(4), sampler=sampler, batch_size=2))
@@ -642,7 +654,7 @@ def test_a_dispatcher_reading_every_ranks_batches_is_known_whatever_splits_below
     collated: list[Reading] = []
 
     def collate(batch: list[int]) -> torch.Tensor:
-        collated.append(data_reading())  # (Rule 7 would know the shard below: Rule 6 wins)
+        collated.append(reading())  # (its own share would be known below: the reader wins)
         return torch.tensor(batch)
 
     try:
@@ -654,15 +666,19 @@ def test_a_dispatcher_reading_every_ranks_batches_is_known_whatever_splits_below
         )
     finally:
         PartialState._reset_state()  # the dispatcher made accelerate's process state
-    dispatched = Reading(dispatcher="accelerate's DataLoaderDispatcher")
-    assert sampler.readings[1:] == [dispatched, dispatched]
-    assert collated and set(collated) == {dispatched}, collated
+    dispatcher = "accelerate's DataLoaderDispatcher"
+
+    def read_alone(now: Reading) -> bool:
+        return _label(now.reader) == dispatcher and now == Reading(reader=now.reader)
+
+    assert len(sampler.readings) == 3 and all(map(read_alone, sampler.readings[1:]))
+    assert collated and all(map(read_alone, collated)), collated
 
 
 def _share() -> str:
-    from rngcheck.ranks.data_reading import data_reading
+    from rngcheck.ranks.scopes import reading
 
-    return data_reading(skip=1).share
+    return reading(skip=1).share
 
 
 class _Shares(torch.utils.data.Dataset):
@@ -685,7 +701,7 @@ def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() ->
     sampler in the chain from its index sampler, or its dataset, holding a rank and a number of
     ranks above one. Not a loader whose data is not split, nor the sampler's own iteration, nor
     a stream every rank iterates whole (Rule 5's); a dispatcher wins (Rule 6)."""
-    from rngcheck.ranks.data_reading import NOT_READING, data_reading
+    from rngcheck.ranks.scopes import NOT_READING, reading
 
     collated: list[str] = []
 
@@ -726,7 +742,7 @@ def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() ->
         seen: list[Any] = []
 
         def __iter__(self):  # type: ignore[no-untyped-def]
-            self.seen.append(data_reading())
+            self.seen.append(reading())
             yield from torch.randperm(8)[self.rank :: self.num_replicas].tolist()
 
     collated[:] = []
@@ -749,7 +765,7 @@ def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() ->
         seen: list[Any] = []
 
         def __iter__(self):  # type: ignore[no-untyped-def]
-            self.seen.append(data_reading())
+            self.seen.append(reading())
             yield from range(4)
 
     stream = accelerate.IterableDatasetShard(Stream(), batch_size=2, num_processes=2)
@@ -757,14 +773,16 @@ def test_a_ranks_own_share_of_the_data_is_known_where_its_loader_fetches_it() ->
     list(torch.utils.data.DataLoader(stream, batch_size=2, collate_fn=collate))
     assert collated == ["accelerate's IterableDatasetShard"]  # the rank's own batch
     shuffled = Stream.seen[-1]  # ... while what the stream draws is Rule 5's order
-    assert (shuffled.order, shuffled.share) == ("accelerate's IterableDatasetShard", "")
+    assert (_label(shuffled.order), shuffled.share) == ("accelerate's IterableDatasetShard", "")
 
 
 def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drift() -> None:
     """Rules 3 and 2's wake step aside when the divergent op drew an order a sampler splits: the
     gathered details decide it, so every rank judges alike."""
-    from rngcheck.ranks.findings import data_parallel_drift, per_rank_seeding
+    from rngcheck.ranks.generators import data_parallel_drift, per_rank_seeding
+    from rngcheck.ranks.integrations import hook_of
     from rngcheck.ranks.localise import Spot
+    from rngcheck.ranks.verdict import Apart, Compare, Domain, Reason, Verdict
 
     def event(rank: int) -> RandomOpEvent:
         return RandomOpEvent(
@@ -784,10 +802,20 @@ def test_an_order_split_among_the_ranks_is_not_excused_by_per_rank_seeds_or_drif
     spot = localise(windows, {0: Point.EXIT, 1: Point.EXIT})
     assert isinstance(spot, Spot) and spot.kind == "state"
     stream = "transformers' IterableDatasetShard"
-    moved = "the ranks drew different amounts from it in the forward and backward of DDP"
+    moved = Apart(Reason.OWN_BATCH, "DDP")
+    sources = {
+        "torch's DistributedSampler": "torch.utils.data.distributed:DistributedSampler.__iter__",
+        stream: "transformers.trainer_pt_utils:IterableDatasetShard.__iter__",
+    }
     for order in ("", "torch's DistributedSampler", stream):
+        scope = (
+            Verdict(Domain.GROUP, Compare.STATE, Reason.ORDER, order, sources[order], firm=True)
+            if order
+            else None
+        )
+        assert scope is None or hook_of(scope.source) is not None
         details = {
-            r: Detail(event=event(r), point="exit", drifted=moved, order=order) for r in (0, 1)
+            r: Detail(event=event(r), point="exit", apart=moved, order=scope) for r in (0, 1)
         }
         excused = (per_rank_seeding(spot, details), data_parallel_drift(spot, details))
         if order:

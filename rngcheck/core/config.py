@@ -40,6 +40,9 @@ class Config:
     level: str = "op"
     sample_every: int = 100
     sample_first: int = 2
+    # Across ranks: nothing learnt from a mismatch (per-rank seeds, lines drawing each rank's own
+    # arguments or counts) exempts a draw; every such difference is a finding (for CI).
+    strict: bool = False
 
     def __post_init__(self) -> None:
         for name in ("trace", "report_path"):
@@ -57,8 +60,9 @@ class Config:
         validate_choice("level", self.level, LEVELS)
         _positive_int("sample_every", self.sample_every)
         _positive_int("sample_first", self.sample_first)  # the op level learns the program
-        if not isinstance(self.check_recompute, bool):
-            raise ValueError(f"check_recompute must be True or False; got {self.check_recompute!r}")
+        for name in ("check_recompute", "strict"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")
         _positive_int("window", self.window)
         _positive_int("every_ops", self.every_ops)
         _positive_int("every_steps", self.every_steps)

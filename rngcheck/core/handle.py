@@ -21,7 +21,9 @@ class CheckerHandle:
     ``emit(finding)`` hands a finding to the mode's sink (it records, renders, warns or raises as
     configured). ``seeding_calls(mark, device)`` lists the seeding API calls seen since the
     counter ``mark`` that reached ``device``'s generators. ``meta`` is the report's metadata, where
-    a check keeps its own keys; ``identify(rank, world_size)`` names the process in the report.
+    a check keeps its own keys; ``identify(rank, world_size)`` names the process in the report;
+    ``coverage(what)`` says, loudly (a ``RNGCheckCoverageWarning`` and a report note), that
+    something the check was asked to check it cannot.
     """
 
     config: Config
@@ -29,3 +31,4 @@ class CheckerHandle:
     seeding_calls: Callable[[int, str], tuple[SeedCall, ...]]
     meta: dict[str, Any] = field(default_factory=dict)
     identify: Callable[[int, int], None] = lambda _rank, _world: None
+    coverage: Callable[[str], None] = lambda _what: None

@@ -1,6 +1,6 @@
 """``level="step"``: the start of each pass over the data, checked op by op between samples.
 
-A sampler that splits one order among the ranks (Rule 5 of docs/data-parallel.md: accelerate's
+A sampler that splits one order among the ranks (an order every rank walks: accelerate's
 ``BatchSamplerShard`` under Hugging Face's Trainer, torch's ``DistributedSampler``) draws that
 order once a pass, as the pass begins: at a step the schedule rarely samples (one in
 ``sample_every``), and from a generator the step digests may not compare (the default generator,

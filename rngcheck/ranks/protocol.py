@@ -10,7 +10,7 @@ a flag: tensor-parallel peers' streams at every round). Only on a mismatch do th
 rows (ints only) and then the detail of the one divergent op (JSON text; never pickle), so every
 rank builds the same finding from the same data.
 
-The rules the code relies on, cited as "P1" to "P6" where it does:
+The rules the code relies on, cited as "P1" to "P7" where it does:
 
 - **P1** Every rank runs the checker's collectives in the same order: each exchange point posts
   exactly one round, and round numbers travel in the vector, so two ranks at different rounds
@@ -74,16 +74,16 @@ __all__ = [
 _MASK62 = (1 << 62) - 1
 
 # "same" by default (the mode's expectation), "differ", and "same" as declared: an expect()
-# block or a DTensor's mesh. Only the default may turn out to be a per-rank stream (Rule 3).
+# block or a DTensor's mesh. Only the default may be learnt to be a per-rank stream.
 # "peers": an op of a data-parallel forward compared among the ranks outside the wrapper's group
-# that compute on this rank's batch (its tensor-parallel peers, Rule 2): the other data-parallel
+# that compute on this rank's batch (its tensor-parallel peers): the other data-parallel
 # ranks may run other ops there (their own batches' shapes), so its rows stay out of the
 # group-wide order (the structure, and the control flow a divergence is localised by).
 POLICY_CODE = {"same": 1, "differ": 2, "declared": 3, "peers": 4}
 PEERS = POLICY_CODE["peers"]
 
 # The vector: (x, -x) for the round, the point, the structure, the group-wide stream and the
-# parameter initialisations (Rule 4; 0 until they are settled), then a flag: 1, streams over
+# parameter initialisations (replicated.py; 0 until settled), then a flag: 1, streams over
 # parts of the group follow (P4); 2, this rank has run out of inputs inside torch's Join (P7:
 # the round is not judged, so its streams are not either). The ranks' largest flag is read.
 HEADER = 11
@@ -185,7 +185,7 @@ def fast_vector(
         elif r.stream:
             parts.setdefault(r.stream, []).append(r)
     x = fold(v for r in whole for v in (r.structure, r.before, r.after))
-    # The parameter initialisations, at the one round that settles them (Rule 4).
+    # The parameter initialisations, at the one round that settles them (replicated.py).
     y = 0
     if init is not None:
         y = fold([len(init), *(v for r in init for v in (r.structure, r.before))])
