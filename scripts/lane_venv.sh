@@ -14,7 +14,7 @@
 #             build without it. An index set in PIP_INDEX_URL (a mirror) is still used.
 
 # The newest torch on the registry, the one the newest lane tests (README.md's "Tested with" names
-# it too), and its venv, built from the registry alone (scripts/torch_lane.sh).
+# it too), and its venv, built from the registry alone: scripts/torch_lane.sh, scripts/gpu_check.sh.
 TORCH_NEWEST=2.15.0
 TORCH_NEWEST_VENV=.venv-torch-newest
 newest_torch_venv() {
