@@ -4,16 +4,17 @@
 .venv/bin/python -m benchmarks --quick              # seconds: the smoke test's configuration
 .venv/bin/python -m benchmarks --json results.json  # also the raw numbers
 .venv/bin/python -m benchmarks --skip ranks,memory  # one process only
-.venv/bin/python -m benchmarks --skip single,compiled,ranks,memory  # the GPT-2 section only
+.venv/bin/python -m benchmarks --skip single,compiled,ranks,memory,gpu  # the GPT-2 section only
+.venv/bin/python -m benchmarks.gpu                  # the GPU section only (skipped without CUDA)
 
 One question, many rounds (a shared machine moves a 15-round ratio by several percent):
-.venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory --sizes 32 --rounds 100 \
+.venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory,gpu --sizes 32 --rounds 100 \
     --modes plain,rngcheck,rngcheck-step
 """
 
 import sys
 
-from . import compiled, distributed, gpt2, memory, overhead
+from . import compiled, distributed, gpt2, gpu, memory, overhead
 from .common import cli
 
 sys.exit(
@@ -25,6 +26,7 @@ sys.exit(
             "gpt2": gpt2.section,
             "ranks": distributed.section,
             "memory": memory.section,
+            "gpu": gpu.section,  # GPT-2 small's size on a CUDA GPU; one line without one
         },
     )
 )

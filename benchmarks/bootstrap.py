@@ -1,6 +1,6 @@
 """How sure a two-rank step-level ratio is: a bootstrap over the rounds of a ``--json`` file.
 
-    .venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory --sizes 32 --rounds 100 \\
+    .venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory,gpu --sizes 32 --rounds 100 \\
         --modes plain,rngcheck,rngcheck-step --json r.json
     .venv/bin/python -m benchmarks.bootstrap r.json          # every model timed there
 

@@ -34,11 +34,20 @@ GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-step")
 
 
 def make_gpt2_step(
-    layers: int = 2, width: int = 64, batch: int = 8, length: int = 32, ddp: bool = False
+    layers: int = 2,
+    width: int = 64,
+    batch: int = 8,
+    length: int = 32,
+    ddp: bool = False,
+    *,
+    heads: int = 2,
+    vocab: int = 256,
+    device: str = "cpu",
 ) -> tuple[Any, Callable[[], None]] | None:
     """The model and one training step (forward, backward, SGD step), or None without
     transformers. ``ddp``: under DistributedDataParallel (every rank builds the same model and
-    batch, so replicated dropout agrees)."""
+    batch, so replicated dropout agrees). On a CUDA ``device`` the step ends with a
+    synchronize, so that its time is the GPU's work and not only the host's launches."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import transformers
@@ -46,24 +55,28 @@ def make_gpt2_step(
         return None
     transformers.logging.set_verbosity_error()
     config = transformers.GPT2Config(
-        vocab_size=256,
+        vocab_size=vocab,
         n_positions=length,
         n_embd=width,
         n_layer=layers,
-        n_head=2,
+        n_head=heads,
     )
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     net = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else None
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         net(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+        if sync is not None:
+            sync()
 
     return model, step
 

@@ -50,6 +50,7 @@ def test_single_process_and_memory_tables(tmp_path):
     pytest.importorskip("transformers")
     assert "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |" in out
     assert 'GPT-2 (tiny config): level="step" between samples / plain' in out
+    assert "### GPT-2 small's size on a CUDA GPU" in out  # (timed, or skipped in one line)
 
     raw = json.loads((tmp_path / "r.json").read_text())
     assert [len(block) for block in raw["single"]["8"]["rngcheck"]["samples"]] == [2, 2]
@@ -112,6 +113,21 @@ def test_the_two_rank_report_orders_its_models_and_says_what_was_skipped():
     skipped = "Skipped: GPT-2 (tiny config): transformers is not installed."
     text = distributed.report({**result, "timing": {}, "skipped": skipped}, 1, 2)
     assert skipped in text and "| mode (2 ranks" not in text
+
+
+def test_the_gpu_section_says_in_one_line_what_it_needs_without_cuda():
+    """The GPU rows (scripts/gpu_check.sh runs them) need a CUDA device: without one the section
+    times nothing and says why, in the line the script's summary shows."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import gpu
+
+    missing = gpu.cuda_missing()
+    if missing is None:
+        pytest.skip("a CUDA device is here: the section times it (scripts/gpu_check.sh)")
+    text, raw = gpu.section(True)
+    assert (text.splitlines()[-1], raw) == (f"Skipped: needs a CUDA device; {missing}.", {})
+    assert missing.startswith("torch ")
+    assert "built without CUDA" in missing or "sees no CUDA device" in missing
 
 
 def test_the_bootstrap_reads_a_json_file_and_refuses_one_without_its_modes(tmp_path, capsys):
