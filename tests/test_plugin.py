@@ -188,7 +188,14 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
         (
             {"RNGCHECK_EVERY_STEPS": "0"},
             ("--rngcheck",),
-            "RNGCHECK_EVERY_STEPS='0' is not valid: use a positive whole number (e.g. 10)",
+            "RNGCHECK_EVERY_STEPS='0' is not valid: use a whole number from 1 to "
+            "1,000,000,000, e.g. 10",
+        ),
+        (  # was accepted under pytest (an OverflowError where a script starts)
+            {"RNGCHECK_WINDOW": "99999999999999999999999"},
+            ("--rngcheck",),
+            "RNGCHECK_WINDOW='99999999999999999999999' is not valid: use a whole number from 1 "
+            "to 1,000,000, e.g. 4096",
         ),
         (
             {"RNGCHECK": "yes please"},
@@ -202,7 +209,7 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
             "unknown variable RNGCHECK_ON_FINDNG (a typo?): rngcheck reads RNGCHECK, ",
         ),
     ],
-    ids=["choice", "number", "switch", "unknown"],
+    ids=["choice", "number", "past-range", "switch", "unknown"],
 )
 def test_bad_environment_values_stop_the_run_as_they_stop_a_script(
     pytester: pytest.Pytester,
@@ -234,6 +241,30 @@ def test_a_report_directory_that_can_never_be_written_stops_the_run(
         "or can be created, and that this user can write"
     )
     assert "Traceback" not in result.stderr.str()
+
+
+def test_a_marker_argument_past_its_range_fails_the_test_naming_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_window="""
+import pytest
+import torch
+
+
+@pytest.mark.rngcheck(window=10**30)
+def test_window():
+    torch.rand(3)
+"""
+    )
+    pytester.makeconftest(_RECORDER)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "test_window.py")
+    result.assert_outcomes(failed=1)
+    failure = json.loads((pytester.path / "reports.json").read_text())["test_window"]["longrepr"]
+    # Was an OverflowError from deep inside the mode ("Python int too large to convert to C
+    # ssize_t"), naming nothing.
+    assert f"window must be a whole number from 1 to 1,000,000; got {10**30}" in failure
+    assert "OverflowError" not in failure and "Traceback" not in failure
 
 
 def test_a_report_that_cannot_be_saved_is_said_beside_the_finding(
