@@ -102,6 +102,7 @@ def test_the_startup_hook_is_installed_with_the_package() -> None:
         ("RNGCHECK_TIMEOUT", "-3", "a number of seconds from 0.001 to 2,592,000 (30 days)"),
         ("RNGCHECK_WINDOW", "1.5", "a whole number from 1 to 1,000,000"),
         ("RNGCHECK_RECOMPUTE", "sure", "0, false, off, no"),
+        ("RNGCHECK_RECOMPUTE", "", "is set but empty: use one of 1, true, on, yes"),
         ("RNGCHECK_REPORT", " ", "a directory or a file path"),
     ],
 )
@@ -213,8 +214,15 @@ def test_a_bad_value_stops_the_run_before_user_code() -> None:
             f"RNGCHECK_WINDOW='{10**30}' is not valid: use a whole number from 1 to 1,000,000, "
             "e.g. 4096",
         ),
+        # Was read as off: the recompute check silently left out.
+        (
+            "RNGCHECK_RECOMPUTE",
+            "",
+            "RNGCHECK_RECOMPUTE is set but empty: use one of 1, true, on, yes (on) or 0, false, "
+            "off, no (off), or unset it",
+        ),
     ],
-    ids=["timeout", "window"],
+    ids=["timeout", "window", "recompute"],
 )
 def test_input_that_cannot_work_stops_the_run_before_user_code_by_name(
     name: str, value: str, expected: str

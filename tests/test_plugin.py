@@ -197,6 +197,12 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
             "RNGCHECK_WINDOW='99999999999999999999999' is not valid: use a whole number from 1 "
             "to 1,000,000, e.g. 4096",
         ),
+        (  # was read as off
+            {"RNGCHECK_RECOMPUTE": ""},
+            ("--rngcheck",),
+            "RNGCHECK_RECOMPUTE is set but empty: use one of 1, true, on, yes (on) or 0, false, "
+            "off, no (off), or unset it",
+        ),
         (
             {"RNGCHECK": "yes please"},
             (),
@@ -209,7 +215,7 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
             "unknown variable RNGCHECK_ON_FINDNG (a typo?): rngcheck reads RNGCHECK, ",
         ),
     ],
-    ids=["choice", "number", "past-range", "switch", "unknown"],
+    ids=["choice", "number", "past-range", "empty", "switch", "unknown"],
 )
 def test_bad_environment_values_stop_the_run_as_they_stop_a_script(
     pytester: pytest.Pytester,

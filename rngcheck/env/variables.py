@@ -54,6 +54,18 @@ def _flag(name: str, raw: str) -> bool:
     )
 
 
+def _switch(name: str, raw: str) -> bool:
+    """A flag that an empty value does not turn off: only ``RNGCHECK`` itself reads empty as off
+    (the startup hook does, before anything is imported); elsewhere an empty value is a mistake
+    (``RNGCHECK_RECOMPUTE=$UNSET_VAR``), refused like an empty value of any other variable."""
+    if not raw.strip():
+        raise EnvError(
+            f"{name} is set but empty: use one of {', '.join(ON_VALUES)} (on) or "
+            f"{', '.join(v for v in OFF_VALUES if v)} (off), or unset it"
+        )
+    return _flag(name, raw)
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
     def parse(name: str, raw: str) -> str:
         value = raw.strip().lower()
@@ -199,7 +211,7 @@ VARIABLES: dict[str, Variable] = {
             values="1/true/on/yes, 0/false/off/no",
             default="on",
             help="Compare each activation-checkpoint recompute with its forward.",
-            parse=_flag,
+            parse=_switch,
         ),
         Variable(
             name="RNGCHECK_EVERY",
