@@ -325,16 +325,22 @@ def test_a_path_that_can_never_be_written_fails_when_the_mode_starts(tmp_path, n
     cases = {
         str(afile / "sub" / "out.json"): "is a file, not a folder",
         str(tmp_path): "is a directory; give the path of a file",
+        # A folder nothing can be made in, even by root (for whom os.access says yes); and a
+        # name too long to create, below a folder created first (and removed again).
+        "/proc/forbidden/out.json": "the folder /proc/forbidden cannot be created",
+        str(tmp_path / "made" / ("x" * 300) / "out.json"): f"the folder {tmp_path}/made/xxx",
     }
     for path, message in cases.items():
         mode = rngcheck.RNGConsistencyMode(**{name: path})
         with pytest.raises(ValueError, match=message), mode:
             pytest.fail("the mode started")  # pragma: no cover - it must not
         assert rngcheck.active_mode() is None
-    # A folder that does not exist yet is created when the file is written.
+    assert sorted(os.listdir(tmp_path)) == ["afile.txt"]  # nothing made is left
+    # A folder that does not exist yet is created when the mode starts (proven by making a
+    # file in it, which it removes), and the file when it is written.
     deep = tmp_path / "new" / "dir" / "out.json"
     with rngcheck.RNGConsistencyMode(**{name: deep}):
-        pass
+        assert os.listdir(deep.parent) == []
     assert deep.exists()
 
 

@@ -197,6 +197,9 @@ def test_a_bad_value_stops_the_run_before_user_code() -> None:
     assert f"rngcheck: cannot start: {expected}" in r.stderr
 
 
+_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
 @pytest.mark.parametrize(
     ("name", "value", "expected"),
     [
@@ -221,8 +224,23 @@ def test_a_bad_value_stops_the_run_before_user_code() -> None:
             "RNGCHECK_RECOMPUTE is set but empty: use one of 1, true, on, yes (on) or 0, false, "
             "off, no (off), or unset it",
         ),
+        # Passed the start check as root (os.access says yes), then failed at exit.
+        pytest.param(
+            "RNGCHECK_REPORT",
+            "/proc/forbidden",
+            "RNGCHECK_REPORT='/proc/forbidden' cannot be written: the folder /proc/forbidden "
+            "cannot be created (",
+            marks=_PROC,
+        ),
+        pytest.param(
+            "RNGCHECK_TRACE",
+            "/proc/forbidden/t.jsonl",
+            "RNGCHECK_TRACE='/proc/forbidden/t.jsonl' cannot be written: the folder "
+            "/proc/forbidden cannot be created (",
+            marks=_PROC,
+        ),
     ],
-    ids=["timeout", "window", "recompute"],
+    ids=["timeout", "window", "recompute", "report", "trace"],
 )
 def test_input_that_cannot_work_stops_the_run_before_user_code_by_name(
     name: str, value: str, expected: str

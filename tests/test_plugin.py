@@ -249,6 +249,43 @@ def test_a_report_directory_that_can_never_be_written_stops_the_run(
     assert "Traceback" not in result.stderr.str()
 
 
+def test_a_report_directory_nothing_can_be_made_in_stops_the_run_even_as_root(
+    pytester: pytest.Pytester,
+) -> None:
+    # os.access says yes to root for /proc; creating the directory says no.
+    pytester.makepyfile(sample_tests=SAMPLE.read_text())
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--rngcheck-report", "/proc/forbidden"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0].startswith(
+        "ERROR: --rngcheck-report expects a directory to save reports in (created if missing); "
+        "got '/proc/forbidden', but the folder /proc/forbidden cannot be created ("
+    )
+
+
+def test_a_report_directory_is_made_at_start_and_left_only_with_reports_in_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        sample_tests=SAMPLE.read_text(),
+        test_where="""
+import os
+
+
+def test_made_at_start():
+    assert os.path.isdir("out/reports")
+""",
+    )
+    args = ("-p", "no:cacheprovider", "--rngcheck", "--rngcheck-report", "out/reports")
+    pytester.runpytest_subprocess(*args, "test_where.py", "-k", "made").assert_outcomes(passed=1)
+    assert not (pytester.path / "out").exists()  # a clean run: nothing saved, nothing left
+    pytester.runpytest_subprocess(*args, "sample_tests.py", "-k", "test_buggy").assert_outcomes(
+        failed=1, deselected=5
+    )
+    assert os.listdir(pytester.path / "out" / "reports") == ["sample_tests.py_test_buggy.json"]
+
+
 def test_a_marker_argument_past_its_range_fails_the_test_naming_it(
     pytester: pytest.Pytester,
 ) -> None:
@@ -279,6 +316,8 @@ def test_a_report_that_cannot_be_saved_is_said_beside_the_finding(
     pytester.makepyfile(
         sample_tests=SAMPLE.read_text(),
         test_blocked="""
+import os
+
 import pytest
 import torch
 from sample_tests import _checkpointed_noise
@@ -286,7 +325,8 @@ from sample_tests import _checkpointed_noise
 
 @pytest.mark.rngcheck
 def test_blocked() -> None:
-    open("reports", "w").close()  # after the run started, a file takes the directory's path
+    os.rmdir("reports")  # made when the run started: after that, a file takes its path
+    open("reports", "w").close()
     _checkpointed_noise(torch.Generator().manual_seed(0))
 """,
     )

@@ -3,7 +3,9 @@ the edge (``rngcheck.env``, the CLI, the pytest plugin) and turned into one of t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +17,11 @@ __all__ = [
     "RANGES",
     "SYNC_MODES",
     "Config",
+    "OutputError",
     "Range",
     "check_writable",
-    "unwritable",
+    "prepare_output",
+    "remove_folders",
 ]
 
 ON_FINDING = ("raise", "warn", "record")
@@ -142,28 +146,67 @@ class Config:
             allowed.check(name, getattr(self, name))
 
 
-def unwritable(path: str, directory: bool = False) -> str:
-    """Why ``path`` (a file to write, or with ``directory`` a folder to write files in) can never
-    be written, or ``""`` when it can: the nearest part of it that exists must be a writable
-    folder (the rest is created), and a file path must not be a directory."""
+class OutputError(ValueError):
+    """A report or trace path that can never be written; the message says which part fails."""
+
+
+def prepare_output(path: str, directory: bool = False) -> tuple[str, ...]:
+    """Prove now that ``path`` (a file to write, or with ``directory`` a folder to write files in)
+    can be written, by doing what writing it does: create the folders it needs, and create (then
+    remove) a temporary file in the last one, as a save does before it renames that file into
+    place. ``os.access`` is no proof: it is true for root on a folder nothing can be created in
+    (``/proc``, a read-only mount). Returns the folders created here, outermost first; they stay
+    (the files go there). Raises :class:`OutputError` after removing them again, when it fails."""
     path = os.path.abspath(path)
     if not directory and os.path.isdir(path):
-        return f"{path} is a directory; give the path of a file to write"
-    existing = path if directory else os.path.dirname(path)
-    while not os.path.exists(existing):  # the nearest part that exists: it creates the rest
+        raise OutputError(f"{path} is a directory; give the path of a file to write")
+    folder = path if directory else os.path.dirname(path)
+    missing = []
+    existing = folder
+    while not os.path.exists(existing):  # the nearest part that exists: the rest is created
+        missing.append(existing)
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        return f"{existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"the folder {existing} is not writable by this process"
-    return ""
+        raise OutputError(f"{existing} is a file, not a folder")
+    created: list[str] = []
+    try:
+        for part in reversed(missing):
+            try:
+                os.mkdir(part)
+            except FileExistsError:  # another rank made it meanwhile
+                continue
+            except OSError as e:
+                raise OutputError(f"the folder {part} cannot be created ({e.strerror})") from None
+            created.append(part)
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".rngcheck-probe-", suffix=".tmp", dir=folder)
+        except OSError as e:
+            raise OutputError(
+                f"no file can be created in the folder {folder} ({e.strerror})"
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
+    except OutputError:
+        remove_folders(created)
+        raise
+    return tuple(created)
+
+
+def remove_folders(folders: tuple[str, ...] | list[str]) -> None:
+    """Remove ``folders`` (outermost first, as :func:`prepare_output` returns them) that are still
+    empty: what was created for files that were never written."""
+    for folder in reversed(folders):
+        with contextlib.suppress(OSError):  # not empty (a file was written there), or gone
+            os.rmdir(folder)
 
 
 def check_writable(name: str, path: str) -> None:
-    """Fail now, not after hours of training, when ``path`` can never be written."""
-    problem = unwritable(path)
-    if problem:
-        raise ValueError(
-            f"{name}={path!r} cannot be written: {problem}. Give a file path in a folder that "
-            "exists or can be created, and that this process can write"
-        )
+    """Fail now, not after hours of training, when ``path`` can never be written (see
+    :func:`prepare_output`; the folders it needs are created now)."""
+    try:
+        prepare_output(path)
+    except OutputError as e:
+        raise OutputError(
+            f"{name}={path!r} cannot be written: {e}. Give a file path in a folder that exists or "
+            "can be created, and that this process can write"
+        ) from None
