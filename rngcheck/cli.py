@@ -175,13 +175,16 @@ _SHOW_READS = "show reads the reports written by report_path= or RNGCHECK_REPORT
 
 def _check_report(path: str) -> None:
     """Raise a one-line :class:`_UsageError` when ``path`` is not a report this rngcheck reads:
-    unreadable, not text, not JSON (a trace, say), or JSON that is not a report."""
-    from .output.report import Report
+    unreadable, too large, not text, not JSON (a trace, say), cut off, or JSON that is not a
+    report."""
+    from .output.report import Report, ReportTooLarge, broken_report, read_report_text
     from .output.runs import is_trace
 
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        text = read_report_text(path)
+        data = json.loads(text)
+    except ReportTooLarge as e:
+        raise _UsageError(f"{path}: {e}") from None
     except UnicodeDecodeError:
         raise _UsageError(f"{path}: not an rngcheck report (not text); {_SHOW_READS}") from None
     except json.JSONDecodeError as e:
@@ -189,6 +192,9 @@ def _check_report(path: str) -> None:
             raise _UsageError(
                 f"{path}: an rngcheck trace, not a report; compare traces with `rngcheck diff A B`"
             ) from None
+        broken = broken_report(text, e)
+        if broken:
+            raise _UsageError(f"{path}: {broken}") from None
         what = "an empty file" if not e.doc.strip() else f"not JSON: {e.msg}, line {e.lineno}"
         raise _UsageError(f"{path}: not an rngcheck report ({what}); {_SHOW_READS}") from None
     try:

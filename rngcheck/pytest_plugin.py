@@ -32,6 +32,7 @@ _MODE = pytest.StashKey[Any]()  # the mode checking the running test, if any
 _IGNORED = pytest.StashKey[dict]()  # rule -> findings it left out, over the session
 _ENV_IGNORE = pytest.StashKey[tuple]()  # RNGCHECK_IGNORE's rules, for every checked test
 _REPORT_DIR = pytest.StashKey[str | None]()  # --rngcheck-report, absolute (tests may chdir)
+_CREATED = pytest.StashKey[tuple]()  # the folders of --rngcheck-report made at configure
 _ON_VALUES = ("1", "true", "on", "yes")
 
 
@@ -76,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[_ENABLED] = bool(config.getoption("rngcheck"))
     directory = config.getoption("rngcheck_report")
-    config.stash[_REPORT_DIR] = _report_dir(directory) if directory else None
+    config.stash[_REPORT_DIR] = _report_dir(config, directory) if directory else None
     config.stash[_ENV_IGNORE] = _check_environment(config.stash[_ENABLED])
     if config.stash[_ENABLED]:
         from .core.config import Config
@@ -89,20 +90,30 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--rngcheck: {e}") from None
 
 
-def _report_dir(directory: str) -> str:
-    """The absolute report directory; a UsageError now, not a plugin traceback in place of a
-    test's finding later, when reports could never be saved there."""
-    from .core.config import unwritable  # no torch behind it
+def _report_dir(config: pytest.Config, directory: str) -> str:
+    """The absolute report directory, created now to prove it can be (a UsageError now, not a
+    plugin traceback in place of a test's finding later); removed at the end of the session
+    if no test saved a report in it."""
+    from .core.config import OutputError, prepare_output  # no torch behind it
 
     path = os.path.abspath(directory)
-    problem = unwritable(path, directory=True)
-    if not problem:
-        return path
-    raise pytest.UsageError(
-        f"--rngcheck-report expects a directory to save reports in (created if missing); got "
-        f"{directory!r}, but {problem}. Give a directory that exists or can be created, and "
-        "that this user can write"
-    )
+    try:
+        config.stash[_CREATED] = prepare_output(path, directory=True)
+    except OutputError as e:
+        raise pytest.UsageError(
+            f"--rngcheck-report expects a directory to save reports in (created if missing); "
+            f"got {directory!r}, but {e}. Give a directory that exists or can be created, and "
+            "that this user can write"
+        ) from None
+    return path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    created = config.stash.get(_CREATED, ())
+    if created:  # only tests with findings save a report: a clean run leaves no empty folder
+        from .core.config import remove_folders
+
+        remove_folders(created)
 
 
 def _check_environment(enabled: bool) -> tuple[Any, ...]:

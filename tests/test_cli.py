@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import rngcheck
 from rngcheck.cli import main
-from rngcheck.output.report import Report
+from rngcheck.output.report import MAX_REPORT_BYTES, Report
 from rngcheck.output.trace import read_trace
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -147,6 +147,10 @@ def test_show_reads_a_run_directory_that_also_holds_the_trainings_json(
     (tmp_path / "losses.json").write_text("[4.2, 4.1]")
     (tmp_path / "notes.json").write_text("step 4: ok")
     (tmp_path / "blob.json").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "format-only.json").write_text('{"format": 1}')  # claims to be a report, is not
+    _save_trace(tmp_path / "trace.json")  # begins with a "format" too, but a trace's
+    with open(tmp_path / "dataset.json", "wb") as f:  # too large to be one (sparse: no disk)
+        f.truncate(MAX_REPORT_BYTES + 1)
     assert _cli("show", str(tmp_path)) == alone
     assert alone[0] == 1 and "rngcheck: 2 rank report(s) (ranks 0-1 of 2)" in alone[1]
     # Named on its own, a file must still be a report; a directory must hold one.
@@ -154,11 +158,18 @@ def test_show_reads_a_run_directory_that_also_holds_the_trainings_json(
     assert "config.json: not an rngcheck report" in capsys.readouterr().err
     assert _cli("show", str(tmp_path), str(tmp_path / "config.json")) == (2, "")
     assert "config.json: not an rngcheck report" in capsys.readouterr().err
+    # rank0.json cut off (an incomplete copy): named, not "rank 0 may have been killed".
+    (tmp_path / "rank0.json").write_text((tmp_path / "rank0.json").read_text()[:1000])
+    assert _cli("show", str(tmp_path)) == (2, "")
+    assert capsys.readouterr().err == (
+        f"rngcheck: {tmp_path / 'rank0.json'}: an rngcheck report cut off after 1,000 bytes (an "
+        "incomplete copy?): its findings are unknown\n"
+    )
     for name in ("rank0.json", "rank1.json"):
         (tmp_path / name).unlink()
     assert _cli("show", str(tmp_path)) == (2, "")
     assert capsys.readouterr().err == (
-        f"rngcheck: {tmp_path}: no rngcheck report among its 5 *.json file(s); show reads the "
+        f"rngcheck: {tmp_path}: no rngcheck report among its 8 *.json file(s); show reads the "
         "reports written by report_path= or RNGCHECK_REPORT\n"
     )
 
@@ -176,6 +187,11 @@ def test_show_says_in_one_line_what_it_cannot_read(tmp_path: Path, capsys) -> No
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "format-only.json").write_text('{"format": 1}')  # was shown as an empty report
+    text = report.to_json()
+    (tmp_path / "cut.json").write_text(text[: len(text) // 2])
+    with open(tmp_path / "huge.json", "wb") as f:  # sparse: no disk behind it
+        f.truncate(MAX_REPORT_BYTES + 1)
     (tmp_path / "empty").mkdir()
     _save_report(tmp_path / "x" / "one.json", _training, run_id="r")
     _save_report(tmp_path / "x" / "two.json", _training, run_id="r")
@@ -192,9 +208,18 @@ def test_show_says_in_one_line_what_it_cannot_read(tmp_path: Path, capsys) -> No
         "binary.json": f"not an rngcheck report (not text); {shows}",
         "t.jsonl": "an rngcheck trace, not a report; compare traces with `rngcheck diff A B`",
         "empty": "no *.json reports in this directory",
+        "format-only.json": 'not an rngcheck report (JSON with rngcheck\'s "format" field but '
+        "without rank, world_size, random_ops, ops_by_name, ops_by_generator, findings, notes, "
+        "meta, which every report has)",
+        "cut.json": f"an rngcheck report cut off after {len(text) // 2:,} bytes (an incomplete "
+        "copy?): its findings are unknown",
+        "huge.json": f"too large for an rngcheck report ({MAX_REPORT_BYTES + 1:,} bytes; rngcheck "
+        "reads at most 64 MiB of one, and a report is a few MiB at most)",
+        # Read up to the cap, not until the kernel kills the process (it did at 23 GB).
+        "/dev/zero": f"too large for an rngcheck report (over {MAX_REPORT_BYTES:,} bytes;",
     }
     for name, message in cases.items():
-        path = tmp_path / name
+        path = tmp_path / name  # (an absolute name stays itself)
         assert _cli("show", str(path)) == (2, "")
         err = capsys.readouterr().err
         assert err.startswith(f"rngcheck: {path}: {message}") and err.count("\n") == 1, err
@@ -270,11 +295,18 @@ def test_diff_refuses_truncated_or_foreign_files(tmp_path: Path, capsys) -> None
     cut.write_text("".join(a.read_text().splitlines(keepends=True)[:-1]))
     report = tmp_path / "r.json"
     _save_report(report, _training)
+    endless = tmp_path / "endless.jsonl"  # a trace's first line, then one of 17 MiB (sparse)
+    with open(endless, "wb") as f:
+        f.write(a.read_bytes().splitlines(keepends=True)[0])
+        f.seek(17 * 2**20, os.SEEK_CUR)
+        f.write(b"\n")
     for other, message in (
         (cut, "the trace has no end line (a truncated file?)"),
         (report, "is not an rngcheck trace"),
         (tmp_path / "nope.jsonl", f"{tmp_path / 'nope.jsonl'}: no such file or directory"),
         (tmp_path, f"{tmp_path} is a directory and the other is not: compare two trace files"),
+        (Path("/dev/zero"), "/dev/zero is not an rngcheck trace"),  # read up to a line's cap
+        (endless, f"{endless} is not an rngcheck trace (a line of over 16 MiB; a trace's lines"),
     ):
         assert _cli("diff", str(a), str(other)) == (2, "")
         err = capsys.readouterr().err

@@ -292,12 +292,19 @@ def test_seeding_functions_are_restored_on_exit_also_after_an_exception():
         ({"sync": "sometimes"}, "sync must be one of 'op', 'step', 'off'; got 'sometimes'"),
         ({"expect": "equal"}, "expect must be one of 'same', 'differ', 'ignore'; got 'equal'"),
         ({"check_recompute": "yes"}, "check_recompute must be True or False; got 'yes'"),
-        ({"window": 0}, "window must be a positive integer; got 0"),
-        ({"every_ops": 2.5}, "every_ops must be a positive integer; got 2.5"),
-        ({"every_steps": 0}, "every_steps must be a positive integer; got 0"),
-        ({"timeout": -1}, "timeout must be a positive number of seconds"),
-        ({"timeout": True}, "timeout must be a positive number of seconds"),
-        ({"timeout": float("nan")}, "timeout must be a positive number of seconds"),
+        ({"window": 0}, "window must be a whole number from 1 to 1,000,000; got 0"),
+        ({"every_ops": 2.5}, "every_ops must be a whole number from 1 to 1,000,000,000; got 2.5"),
+        ({"every_steps": 0}, "every_steps must be a whole number from 1 to 1,000,000,000; got 0"),
+        ({"timeout": -1}, "timeout must be a number of seconds from 0.001 to 2,592,000 (30 days)"),
+        ({"timeout": True}, "timeout must be a number of seconds from 0.001 to 2,592,000"),
+        ({"timeout": float("nan")}, "timeout must be a number of seconds from 0.001 to 2,592,000"),
+        # Past the top: refused by name, not an OverflowError from a deque or a timedelta later.
+        ({"window": 10**30}, f"window must be a whole number from 1 to 1,000,000; got {10**30}"),
+        ({"timeout": 1e23}, "or None for the process group's own timeout; got 1e+23"),
+        ({"every_ops": 10**10}, "every_ops must be a whole number from 1 to 1,000,000,000"),
+        ({"every_steps": 2**63}, "every_steps must be a whole number from 1 to 1,000,000,000"),
+        ({"sample_every": 10**10}, "sample_every must be a whole number from 1 to 1,000,000,000"),
+        ({"sample_first": 0}, "sample_first must be a whole number from 1 to 1,000,000,000"),
         ({"console": "stderr"}, "console must be a rich.console.Console"),
         ({"console": io.StringIO()}, "console must be a rich.console.Console"),
         ({"report_path": 3}, "report_path must be a file path (a str or os.PathLike)"),
@@ -318,16 +325,22 @@ def test_a_path_that_can_never_be_written_fails_when_the_mode_starts(tmp_path, n
     cases = {
         str(afile / "sub" / "out.json"): "is a file, not a folder",
         str(tmp_path): "is a directory; give the path of a file",
+        # A folder nothing can be made in, even by root (for whom os.access says yes); and a
+        # name too long to create, below a folder created first (and removed again).
+        "/proc/forbidden/out.json": "the folder /proc/forbidden cannot be created",
+        str(tmp_path / "made" / ("x" * 300) / "out.json"): f"the folder {tmp_path}/made/xxx",
     }
     for path, message in cases.items():
         mode = rngcheck.RNGConsistencyMode(**{name: path})
         with pytest.raises(ValueError, match=message), mode:
             pytest.fail("the mode started")  # pragma: no cover - it must not
         assert rngcheck.active_mode() is None
-    # A folder that does not exist yet is created when the file is written.
+    assert sorted(os.listdir(tmp_path)) == ["afile.txt"]  # nothing made is left
+    # A folder that does not exist yet is created when the mode starts (proven by making a
+    # file in it, which it removes), and the file when it is written.
     deep = tmp_path / "new" / "dir" / "out.json"
     with rngcheck.RNGConsistencyMode(**{name: deep}):
-        pass
+        assert os.listdir(deep.parent) == []
     assert deep.exists()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from _dist import launch_past_exit_aborts
 
+from rngcheck.core.config import RANGES, Config
 from rngcheck.core.findings import Finding
 from rngcheck.env import VARIABLES, EnvError, settings_from_env
 from rngcheck.output.report import Report
@@ -95,11 +97,12 @@ def test_the_startup_hook_is_installed_with_the_package() -> None:
         ("RNGCHECK_ON_FINDING", "crash", "raise, warn, record"),
         ("RNGCHECK_SYNC", "sometimes", "op, step, off"),
         ("RNGCHECK_EXPECT", "equal", "same, differ, ignore"),
-        ("RNGCHECK_EVERY", "0", "positive whole number"),
-        ("RNGCHECK_EVERY_OPS", "many", "positive whole number"),
-        ("RNGCHECK_TIMEOUT", "-3", "positive number of seconds"),
-        ("RNGCHECK_WINDOW", "1.5", "positive whole number"),
+        ("RNGCHECK_EVERY", "0", "a whole number from 1 to 1,000,000,000"),
+        ("RNGCHECK_EVERY_OPS", "many", "a whole number from 1 to 1,000,000,000"),
+        ("RNGCHECK_TIMEOUT", "-3", "a number of seconds from 0.001 to 2,592,000 (30 days)"),
+        ("RNGCHECK_WINDOW", "1.5", "a whole number from 1 to 1,000,000"),
         ("RNGCHECK_RECOMPUTE", "sure", "0, false, off, no"),
+        ("RNGCHECK_RECOMPUTE", "", "is set but empty: use one of 1, true, on, yes"),
         ("RNGCHECK_REPORT", " ", "a directory or a file path"),
     ],
 )
@@ -108,6 +111,39 @@ def test_a_bad_value_names_the_variable_and_its_valid_values(name: str, value: s
     with pytest.raises(EnvError) as info:
         settings_from_env(env)
     assert name in str(info.value) and valid in str(info.value)
+
+
+# Each numeric variable and the mode's argument it sets: one range for both (core/config.RANGES).
+_NUMBERS = {
+    "RNGCHECK_WINDOW": "window",
+    "RNGCHECK_TIMEOUT": "timeout",
+    "RNGCHECK_EVERY_OPS": "every_ops",
+    "RNGCHECK_EVERY_STEPS": "every_steps",
+    "RNGCHECK_EVERY": "every_steps",
+    "RNGCHECK_SAMPLE_EVERY": "sample_every",
+    "RNGCHECK_SAMPLE_FIRST": "sample_first",
+}
+
+
+@pytest.mark.parametrize(("name", "setting"), _NUMBERS.items())
+def test_a_number_has_one_range_for_the_variable_and_the_argument(name: str, setting: str):
+    allowed = RANGES[setting]
+    assert set(_NUMBERS.values()) == set(RANGES)  # every numeric setting has a variable here
+    # and the docs' table shows its range
+    assert VARIABLES[name].values in (str(allowed), allowed.text("N"))
+    for value in (allowed.low, allowed.high):
+        s = settings_from_env({"RNGCHECK": "1", name: str(value)})
+        assert s.mode_kwargs[setting] == value
+        Config(**{setting: value})
+    below = allowed.low - 1 if allowed.whole else allowed.low / 2
+    for value in (below, allowed.high + 1, 10**23):
+        with pytest.raises(EnvError) as info:
+            settings_from_env({"RNGCHECK": "1", name: str(value)})
+        assert str(info.value).startswith(
+            f"{name}={str(value)!r} is not valid: use {allowed}, e.g."
+        )
+        with pytest.raises(ValueError, match=re.escape(f"{setting} must be {allowed}")):
+            Config(**{setting: value})
 
 
 def test_a_misspelt_variable_is_refused_when_checking_is_on() -> None:
@@ -159,6 +195,61 @@ def test_a_bad_value_stops_the_run_before_user_code() -> None:
     assert "user code ran" not in r.stdout
     expected = "RNGCHECK_SYNC='sometimes' is not valid: use one of op, step, off"
     assert f"rngcheck: cannot start: {expected}" in r.stderr
+
+
+_PROC = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        # Past the top: was accepted, then an OverflowError in init_process_group (a timedelta)
+        # or "cannot start: OverflowError: Python int too large to convert to C ssize_t".
+        (
+            "RNGCHECK_TIMEOUT",
+            "99999999999999999999999",
+            "RNGCHECK_TIMEOUT='99999999999999999999999' is not valid: use a number of seconds "
+            "from 0.001 to 2,592,000 (30 days), e.g. 600",
+        ),
+        (
+            "RNGCHECK_WINDOW",
+            str(10**30),
+            f"RNGCHECK_WINDOW='{10**30}' is not valid: use a whole number from 1 to 1,000,000, "
+            "e.g. 4096",
+        ),
+        # Was read as off: the recompute check silently left out.
+        (
+            "RNGCHECK_RECOMPUTE",
+            "",
+            "RNGCHECK_RECOMPUTE is set but empty: use one of 1, true, on, yes (on) or 0, false, "
+            "off, no (off), or unset it",
+        ),
+        # Passed the start check as root (os.access says yes), then failed at exit.
+        pytest.param(
+            "RNGCHECK_REPORT",
+            "/proc/forbidden",
+            "RNGCHECK_REPORT='/proc/forbidden' cannot be written: the folder /proc/forbidden "
+            "cannot be created (",
+            marks=_PROC,
+        ),
+        pytest.param(
+            "RNGCHECK_TRACE",
+            "/proc/forbidden/t.jsonl",
+            "RNGCHECK_TRACE='/proc/forbidden/t.jsonl' cannot be written: the folder "
+            "/proc/forbidden cannot be created (",
+            marks=_PROC,
+        ),
+    ],
+    ids=["timeout", "window", "recompute", "report", "trace"],
+)
+def test_input_that_cannot_work_stops_the_run_before_user_code_by_name(
+    name: str, value: str, expected: str
+) -> None:
+    r = _run([PYTHON, "-c", "print('user code ran')"], RNGCHECK="1", **{name: value})
+    assert r.returncode == 2, r.stderr
+    assert "user code ran" not in r.stdout
+    assert r.stderr.startswith(f"rngcheck: cannot start: {expected}"), r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
 
 
 # -- single process ------------------------------------------------------------------------------

@@ -188,7 +188,20 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
         (
             {"RNGCHECK_EVERY_STEPS": "0"},
             ("--rngcheck",),
-            "RNGCHECK_EVERY_STEPS='0' is not valid: use a positive whole number (e.g. 10)",
+            "RNGCHECK_EVERY_STEPS='0' is not valid: use a whole number from 1 to "
+            "1,000,000,000, e.g. 10",
+        ),
+        (  # was accepted under pytest (an OverflowError where a script starts)
+            {"RNGCHECK_WINDOW": "99999999999999999999999"},
+            ("--rngcheck",),
+            "RNGCHECK_WINDOW='99999999999999999999999' is not valid: use a whole number from 1 "
+            "to 1,000,000, e.g. 4096",
+        ),
+        (  # was read as off
+            {"RNGCHECK_RECOMPUTE": ""},
+            ("--rngcheck",),
+            "RNGCHECK_RECOMPUTE is set but empty: use one of 1, true, on, yes (on) or 0, false, "
+            "off, no (off), or unset it",
         ),
         (
             {"RNGCHECK": "yes please"},
@@ -202,7 +215,7 @@ def test_a_run_that_asks_for_nothing_never_imports_torch(
             "unknown variable RNGCHECK_ON_FINDNG (a typo?): rngcheck reads RNGCHECK, ",
         ),
     ],
-    ids=["choice", "number", "switch", "unknown"],
+    ids=["choice", "number", "past-range", "empty", "switch", "unknown"],
 )
 def test_bad_environment_values_stop_the_run_as_they_stop_a_script(
     pytester: pytest.Pytester,
@@ -236,12 +249,75 @@ def test_a_report_directory_that_can_never_be_written_stops_the_run(
     assert "Traceback" not in result.stderr.str()
 
 
+def test_a_report_directory_nothing_can_be_made_in_stops_the_run_even_as_root(
+    pytester: pytest.Pytester,
+) -> None:
+    # os.access says yes to root for /proc; creating the directory says no.
+    pytester.makepyfile(sample_tests=SAMPLE.read_text())
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--rngcheck-report", "/proc/forbidden"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert result.stderr.lines[0].startswith(
+        "ERROR: --rngcheck-report expects a directory to save reports in (created if missing); "
+        "got '/proc/forbidden', but the folder /proc/forbidden cannot be created ("
+    )
+
+
+def test_a_report_directory_is_made_at_start_and_left_only_with_reports_in_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        sample_tests=SAMPLE.read_text(),
+        test_where="""
+import os
+
+
+def test_made_at_start():
+    assert os.path.isdir("out/reports")
+""",
+    )
+    args = ("-p", "no:cacheprovider", "--rngcheck", "--rngcheck-report", "out/reports")
+    pytester.runpytest_subprocess(*args, "test_where.py", "-k", "made").assert_outcomes(passed=1)
+    assert not (pytester.path / "out").exists()  # a clean run: nothing saved, nothing left
+    pytester.runpytest_subprocess(*args, "sample_tests.py", "-k", "test_buggy").assert_outcomes(
+        failed=1, deselected=5
+    )
+    assert os.listdir(pytester.path / "out" / "reports") == ["sample_tests.py_test_buggy.json"]
+
+
+def test_a_marker_argument_past_its_range_fails_the_test_naming_it(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_window="""
+import pytest
+import torch
+
+
+@pytest.mark.rngcheck(window=10**30)
+def test_window():
+    torch.rand(3)
+"""
+    )
+    pytester.makeconftest(_RECORDER)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "test_window.py")
+    result.assert_outcomes(failed=1)
+    failure = json.loads((pytester.path / "reports.json").read_text())["test_window"]["longrepr"]
+    # Was an OverflowError from deep inside the mode ("Python int too large to convert to C
+    # ssize_t"), naming nothing.
+    assert f"window must be a whole number from 1 to 1,000,000; got {10**30}" in failure
+    assert "OverflowError" not in failure and "Traceback" not in failure
+
+
 def test_a_report_that_cannot_be_saved_is_said_beside_the_finding(
     pytester: pytest.Pytester,
 ) -> None:
     pytester.makepyfile(
         sample_tests=SAMPLE.read_text(),
         test_blocked="""
+import os
+
 import pytest
 import torch
 from sample_tests import _checkpointed_noise
@@ -249,7 +325,8 @@ from sample_tests import _checkpointed_noise
 
 @pytest.mark.rngcheck
 def test_blocked() -> None:
-    open("reports", "w").close()  # after the run started, a file takes the directory's path
+    os.rmdir("reports")  # made when the run started: after that, a file takes its path
+    open("reports", "w").close()
     _checkpointed_noise(torch.Generator().manual_seed(0))
 """,
     )

@@ -50,8 +50,30 @@ def activate(settings: EnvSettings | None = None) -> Activation:
     if _ACTIVATION is not None and not _ACTIVATION.exited:
         raise RuntimeError("rngcheck is already active in this process (RNGCHECK=1?)")
     settings = settings or settings_from_env()
+    _prove_outputs(settings)
     _ACTIVATION = Activation(settings).start()
     return _ACTIVATION
+
+
+def _prove_outputs(settings: EnvSettings) -> None:
+    """Create the folders of RNGCHECK_REPORT and RNGCHECK_TRACE now, and a file in each, so that
+    a path that can never be written stops the run before the script, naming the variable (the
+    mode proves its paths again as it starts, by its arguments' names)."""
+    from ..core.config import OutputError, prepare_output
+
+    kwargs = settings.mode_kwargs
+    for name, given, path in (
+        ("RNGCHECK_REPORT", settings.report_template, kwargs.get("report_path")),
+        ("RNGCHECK_TRACE", settings.trace_template, kwargs.get("trace")),
+    ):
+        if path:
+            try:
+                prepare_output(path)
+            except OutputError as e:
+                raise EnvError(
+                    f"{name}={given!r} cannot be written: {e}. Give a directory (or a file path) "
+                    "that exists or can be created, and that this process can write"
+                ) from None
 
 
 def _startup_hook() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.config import LEVELS, ON_FINDING, SYNC_MODES
+from ..core.config import LEVELS, ON_FINDING, RANGES, SYNC_MODES
 from ..core.policy import EXPECTATIONS, IgnoreRule, parse_ignore
 
 __all__ = [
@@ -54,6 +54,18 @@ def _flag(name: str, raw: str) -> bool:
     )
 
 
+def _switch(name: str, raw: str) -> bool:
+    """A flag that an empty value does not turn off: only ``RNGCHECK`` itself reads empty as off
+    (the startup hook does, before anything is imported); elsewhere an empty value is a mistake
+    (``RNGCHECK_RECOMPUTE=$UNSET_VAR``), refused like an empty value of any other variable."""
+    if not raw.strip():
+        raise EnvError(
+            f"{name} is set but empty: use one of {', '.join(ON_VALUES)} (on) or "
+            f"{', '.join(v for v in OFF_VALUES if v)} (off), or unset it"
+        )
+    return _flag(name, raw)
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
     def parse(name: str, raw: str) -> str:
         value = raw.strip().lower()
@@ -64,24 +76,23 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, str], str]:
     return parse
 
 
-def _positive_int(name: str, raw: str) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise EnvError(f"{name}={raw!r} is not valid: use a positive whole number (e.g. 10)")
-    return value
+def _number(setting: str) -> Callable[[str, str], Any]:
+    """The parser of a numeric variable: the mode's ``setting``, in the range the mode checks
+    (``RANGES``, one table for every route), named in the error."""
+    allowed = RANGES[setting]
 
+    def parse(name: str, raw: str) -> int | float | None:
+        value: int | float | None
+        try:
+            value = int(raw.strip()) if allowed.whole else float(raw.strip())
+        except ValueError:  # (also past int()'s digit limit)
+            value = None
+        if not allowed.holds(value):
+            shown = repr(raw) if len(raw) <= 40 else f"{raw[:20]!r}... ({len(raw)} characters)"
+            raise EnvError(f"{name}={shown} is not valid: use {allowed}, e.g. {allowed.example}")
+        return value
 
-def _seconds(name: str, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise EnvError(f"{name}={raw!r} is not valid: use a positive number of seconds (e.g. 120)")
-    return value
+    return parse
 
 
 def _path(name: str, raw: str) -> str:
@@ -128,17 +139,17 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             name="RNGCHECK_SAMPLE_EVERY",
-            values="a positive integer N",
+            values=RANGES["sample_every"].text("N"),
             default="100",
             help="With level=step, check one optimizer step in N op by op.",
-            parse=_positive_int,
+            parse=_number("sample_every"),
         ),
         Variable(
             name="RNGCHECK_SAMPLE_FIRST",
-            values="a positive integer",
+            values=str(RANGES["sample_first"]),
             default="2",
             help="With level=step, check the first optimizer steps op by op.",
-            parse=_positive_int,
+            parse=_number("sample_first"),
         ),
         Variable(
             name="RNGCHECK_SYNC",
@@ -156,29 +167,29 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             name="RNGCHECK_EVERY_STEPS",
-            values="a positive integer N",
+            values=RANGES["every_steps"].text("N"),
             default="1",
             help="With sync=step, exchange at every Nth optimizer step only (a long job can keep "
             "the check on cheaply). A divergence is still pinned to its first op. With "
             "level=step, take the generators' digests at every Nth step only.",
-            parse=_positive_int,
+            parse=_number("every_steps"),
         ),
         Variable(
             name="RNGCHECK_EVERY_OPS",
-            values="a positive integer",
+            values=str(RANGES["every_ops"]),
             default="1024",
             help="With sync=step, also exchange after this many random ops (jobs without an "
             "optimizer).",
-            parse=_positive_int,
+            parse=_number("every_ops"),
         ),
         Variable(
             name="RNGCHECK_TIMEOUT",
-            values="seconds > 0",
+            values=str(RANGES["timeout"]),
             default="the process group's timeout",
             help="How long a rank waits for the others at an exchange (then: rank_missing). By "
             "default the timeout of torch.distributed's own process group, so a rank that is "
             "only slow (saving a checkpoint, evaluating) is never reported missing.",
-            parse=_seconds,
+            parse=_number("timeout"),
         ),
         Variable(
             name="RNGCHECK_REPORT",
@@ -200,14 +211,14 @@ VARIABLES: dict[str, Variable] = {
             values="1/true/on/yes, 0/false/off/no",
             default="on",
             help="Compare each activation-checkpoint recompute with its forward.",
-            parse=_flag,
+            parse=_switch,
         ),
         Variable(
             name="RNGCHECK_EVERY",
-            values="a positive integer N",
+            values=RANGES["every_steps"].text("N"),
             default="1",
             help="The former name of RNGCHECK_EVERY_STEPS (deprecated; still read).",
-            parse=_positive_int,
+            parse=_number("every_steps"),
         ),
         Variable(
             name="RNGCHECK_IGNORE",
@@ -220,10 +231,10 @@ VARIABLES: dict[str, Variable] = {
         ),
         Variable(
             name="RNGCHECK_WINDOW",
-            values="a positive integer",
+            values=str(RANGES["window"]),
             default="4096",
-            help="How many recent random-op events each rank keeps in memory.",
-            parse=_positive_int,
+            help="How many recent random-op events each rank keeps in memory (about 3 KiB each).",
+            parse=_number("window"),
         ),
     )
 }

@@ -7,15 +7,102 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.findings import Finding, Note, error_for
 
-__all__ = ["REPORT_FORMAT", "Report"]
+__all__ = [
+    "MAX_REPORT_BYTES",
+    "REPORT_FORMAT",
+    "NotAReport",
+    "Report",
+    "ReportTooLarge",
+    "broken_report",
+    "is_report_data",
+    "read_report_text",
+    "starts_as_report",
+]
 
 REPORT_FORMAT = 1
+# The most read from one report file. A report keeps at most 100 findings (output/sink.py), each
+# with its stacks and the events around it: tens of KiB each, a few MiB in all. A file past this
+# is not one (``rngcheck show /dev/zero`` read until the kernel killed it).
+MAX_REPORT_BYTES = 64 * 1024 * 1024
+# The fields every report of format 1 has (Report.to_dict writes them all): ``{"format": 1}``
+# alone is not an empty report.
+_FIELDS = (
+    "rank",
+    "world_size",
+    "random_ops",
+    "ops_by_name",
+    "ops_by_generator",
+    "findings",
+    "notes",
+    "meta",
+)
+# How every saved report begins: its format version, a number (a trace's is a string).
+_REPORT_START = re.compile(r'\s*\{\s*"format"\s*:\s*\d')
+
+
+class NotAReport(ValueError):
+    """A file (or a dict) that is not a report this rngcheck reads. The message says why, whole:
+    it follows the file's path as it is."""
+
+
+class ReportTooLarge(NotAReport):
+    """A file past :data:`MAX_REPORT_BYTES`: not read further."""
+
+
+def read_report_text(path: str | os.PathLike[str]) -> str:
+    """The text of a report file, reading at most :data:`MAX_REPORT_BYTES` (of a device or a pipe
+    too, which nothing else would end). Raises ReportTooLarge past it, OSError when unreadable,
+    UnicodeDecodeError when not text."""
+    with open(path, "rb") as f:
+        info = os.fstat(f.fileno())
+        too_large = stat.S_ISREG(info.st_mode) and info.st_size > MAX_REPORT_BYTES
+        data = b"" if too_large else f.read(MAX_REPORT_BYTES + 1)
+    if too_large or len(data) > MAX_REPORT_BYTES:
+        size = f"{info.st_size:,} bytes" if too_large else f"over {MAX_REPORT_BYTES:,} bytes"
+        raise ReportTooLarge(
+            f"too large for an rngcheck report ({size}; rngcheck reads at most "
+            f"{MAX_REPORT_BYTES // 2**20} MiB of one, and a report is a few MiB at most)"
+        )
+    return data.decode("utf-8")
+
+
+def starts_as_report(head: str) -> bool:
+    """Whether text begins as every saved report does (``{"format": ...``), whatever follows: a
+    report cut off is still a report to name, not a file of the training's own to skip."""
+    return _REPORT_START.match(head) is not None
+
+
+def is_report_data(data: Any) -> bool:
+    """Whether parsed JSON is a report: rngcheck's ``format`` (a version number) and, in this
+    format, every field a report has. A report of another version is one (reading it says to
+    re-create it); ``{"format": 1}`` alone, or another tool's ``{"format": "png"}``, is not."""
+    if not isinstance(data, dict):
+        return False
+    version = data.get("format")
+    if isinstance(version, bool) or not isinstance(version, int):
+        return False
+    return version != REPORT_FORMAT or all(name in data for name in _FIELDS)
+
+
+def broken_report(text: str, error: json.JSONDecodeError) -> str:
+    """The words for a report that is not valid JSON (it begins as one): cut off (it does not end
+    as every saved report does, with ``}``) or broken inside; "" when ``text`` is something
+    else that is not JSON."""
+    if not starts_as_report(text):
+        return ""
+    if not text.rstrip().endswith("}"):
+        what = f"cut off after {len(text.encode()):,} bytes (an incomplete copy?)"
+    else:
+        what = f"not valid JSON ({error.msg}, line {error.lineno})"
+    return f"an rngcheck report {what}: its findings are unknown"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,14 +160,20 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         if not isinstance(data, dict) or "format" not in data:
-            raise ValueError(
+            raise NotAReport(
                 'not an rngcheck report (JSON without rngcheck\'s "format" field); rngcheck '
                 "reads the reports written by report_path= or RNGCHECK_REPORT"
             )
         if data.get("format") != REPORT_FORMAT:
-            raise ValueError(
+            raise NotAReport(
                 f"unsupported rngcheck report format {data.get('format')!r}; this rngcheck reads "
                 f"format {REPORT_FORMAT}. Re-create the report with this version."
+            )
+        missing = [name for name in _FIELDS if name not in data]
+        if missing:
+            raise NotAReport(
+                f'not an rngcheck report (JSON with rngcheck\'s "format" field but without '
+                f"{', '.join(missing)}, which every report has)"
             )
         return cls(
             findings=[Finding.from_dict(f) for f in data.get("findings", [])],
@@ -118,5 +211,16 @@ class Report:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Report:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_json(f.read())
+        """Read a saved report. Raises OSError when it cannot be read, NotAReport when it is not a
+        report this rngcheck reads (past :data:`MAX_REPORT_BYTES`, not text, not JSON, cut off,
+        or JSON of another kind), ValueError (or KeyError, TypeError) when a field is malformed."""
+        try:
+            text = read_report_text(path)
+        except UnicodeDecodeError:
+            raise NotAReport("not an rngcheck report (not text)") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            what = "an empty file" if not text.strip() else f"not JSON: {e.msg}, line {e.lineno}"
+            raise NotAReport(broken_report(text, e) or f"not an rngcheck report ({what})") from None
+        return cls.from_dict(data)

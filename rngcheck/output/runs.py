@@ -10,7 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report import Report
+from .report import (
+    NotAReport,
+    Report,
+    ReportTooLarge,
+    is_report_data,
+    read_report_text,
+    starts_as_report,
+)
 
 __all__ = [
     "MergedFinding",
@@ -58,15 +65,30 @@ def report_files(paths: Sequence[str]) -> ReportFiles:
 
 def _foreign(path: str) -> bool:
     """Whether ``path`` holds something other than an rngcheck report: not text, not JSON, or
-    JSON without rngcheck's ``format`` field (a report of another format version is a report)."""
+    JSON without rngcheck's ``format`` field (a report of another format version is a report).
+    ``{"format": 1}`` without the fields every report has is not one. A file that begins as a
+    report does is one, whatever follows: cut off, or past the size cap, loading it names it
+    (rather than have ``show`` count its rank as one that wrote no report)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        text = read_report_text(path)
+        data = json.loads(text)
+    except ReportTooLarge:
+        return not _begins_as_report(path)
+    except UnicodeDecodeError:
         return True
+    except json.JSONDecodeError:
+        return not starts_as_report(text)
     except OSError:
         return False  # unreadable: loading it names the error
-    return not isinstance(data, dict) or "format" not in data
+    return not is_report_data(data)
+
+
+def _begins_as_report(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return starts_as_report(f.read(256).decode("utf-8", errors="replace"))
+    except OSError:
+        return False
 
 
 @dataclass
@@ -123,11 +145,10 @@ def load_runs(files: Sequence[str], skip_foreign: frozenset[str] = frozenset()) 
             loaded.append((Report.load(path), path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             hint = " (a trace? use `rngcheck diff`)" if is_trace(path) else ""
-            what = (
-                str(e)
-                if str(e).startswith("not an rngcheck report")
-                else (f"not a readable rngcheck report{hint}: {e}")
-            )
+            if isinstance(e, NotAReport):  # its message is whole
+                what = f"{e}{hint}"
+            else:
+                what = f"not a readable rngcheck report{hint}: {e}"
             raise ReportError(f"{path}: {what}") from None
     if not loaded:
         where = sorted({os.path.dirname(p) or "." for p in skipped})
@@ -151,6 +172,6 @@ def load_runs(files: Sequence[str], skip_foreign: frozenset[str] = frozenset()) 
 def is_trace(path: str) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
-            return '"rngcheck-trace"' in f.readline()
+            return '"rngcheck-trace"' in f.readline(4096)  # (a bounded line: /dev/zero has none)
     except (OSError, UnicodeDecodeError):
         return False

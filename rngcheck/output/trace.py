@@ -41,6 +41,9 @@ TRACE_FORMAT = "rngcheck-trace"
 TRACE_VERSION = 1
 _MAX_FRAMES = 8  # user frames kept per op: the call site and its callers
 _BATCH = 256  # events summarised and written together
+# The longest line read from a trace (an op's record is about 200 bytes, a stack's 8 frames a few
+# KiB): a file with a longer one is not a trace, and is not read on (`rngcheck diff /dev/zero`).
+_MAX_LINE = 16 * 1024 * 1024
 
 
 def _hex(d: int | None) -> str | None:
@@ -315,7 +318,7 @@ def read_trace(path: str | os.PathLike[str]) -> TraceFile:
     """Open a trace; raises TraceFormatError when the file is not one, OSError when unreadable."""
     path = os.fspath(path)
     f = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the generator below
-    first = f.readline()
+    first = f.readline(_MAX_LINE)
     try:
         header = json.loads(first) if first.strip() else {}
     except json.JSONDecodeError:
@@ -332,7 +335,13 @@ def read_trace(path: str | os.PathLike[str]) -> TraceFile:
 
     def lines() -> Iterator[str]:
         with f:
-            yield from f
+            while line := f.readline(_MAX_LINE + 1):
+                if len(line) > _MAX_LINE:
+                    raise TraceFormatError(
+                        f"{path} is not an rngcheck trace (a line of over {_MAX_LINE // 2**20} "
+                        "MiB; a trace's lines are a few KiB at most)"
+                    )
+                yield line
 
     return TraceFile(path=path, header=header, _lines=lines())
 
