@@ -122,6 +122,11 @@ class RNGConsistencyMode:
             optimizer steps, across ranks, and at each checkpoint region's forward and recompute).
         sample_every: with ``level="step"``, check one optimizer step in this many op by op.
         sample_first: with ``level="step"``, check the first optimizer steps op by op.
+        strict: across ranks, learn nothing from a mismatch: a generator seeded per rank, or a
+            line that draws each rank's own arguments or counts, in a data-parallel program, is
+            then a finding, not a per-rank stream (for CI, where a test wants every difference
+            reported). The scopes rngcheck knows (a wrapper's forward, a sampler's order) and
+            ``expect(...)`` still hold.
         ignore: known findings to leave out, by kind and/or the user's site: a list of
             ``"recompute_mismatch@modeling_foo.py:120"``, ``"rank_divergence"`` or
             ``"@train.py:40"`` (any line of a file: ``"@train.py"``). They are counted in the
@@ -156,6 +161,7 @@ class RNGConsistencyMode:
         level: str = "op",
         sample_every: int = 100,
         sample_first: int = 2,
+        strict: bool = False,
         every: int | None = None,
     ) -> None:
         if every is not None:
@@ -181,6 +187,7 @@ class RNGConsistencyMode:
             level=level,
             sample_every=sample_every,
             sample_first=sample_first,
+            strict=strict,
         )
         if console is not None:
             from rich.console import Console

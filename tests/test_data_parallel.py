@@ -353,6 +353,14 @@ def ddp_seed_plus_rank_crops_on_the_default_generator(rank: int, world: int) -> 
     return _summary(mode)
 
 
+def ddp_seed_plus_rank_crops_strict(rank: int, world: int) -> dict[str, Any]:
+    """The same under strict=True (for CI): nothing learnt, so the per-rank seeds are found."""
+    with _mode(strict=True) as mode:
+        torch.manual_seed(42 + rank)
+        _ddp_variable_batches(None)
+    return _summary(mode)
+
+
 def ddp_replicated_generator_used_with_per_rank_lengths(rank: int, world: int) -> dict[str, Any]:
     """The bug: a generator seeded alike on every rank (so meant to agree) draws each rank's own
     shapes; from there its states differ."""
@@ -432,6 +440,11 @@ def _and_plain(run: Any, rank: int, steps: int) -> dict[str, Any]:
     summary, digest = run(rank, steps)
     _, plain = run(rank, steps, checked=False)
     return {**summary, "digest": digest, "plain": plain}
+
+
+def ddp_noise_over_each_ranks_own_shapes_strict(rank: int, world: int) -> dict[str, Any]:
+    summary, _ = _noise_over_own_shapes(rank, 4, strict=True)
+    return summary
 
 
 def ddp_noise_over_each_ranks_own_shapes_at_the_step_level(rank: int, world: int) -> dict[str, Any]:
@@ -1556,8 +1569,10 @@ SCENARIOS = [
     "ddp_per_rank_generator_variable_lengths",
     "ddp_per_rank_generator_extra_draw",
     "ddp_seed_plus_rank_crops_on_the_default_generator",
+    "ddp_seed_plus_rank_crops_strict",
     "ddp_replicated_generator_used_with_per_rank_lengths",
     "ddp_noise_over_each_ranks_own_shapes",
+    "ddp_noise_over_each_ranks_own_shapes_strict",
     "ddp_noise_over_each_ranks_own_shapes_at_the_step_level",
     "ddp_noise_over_own_shapes_then_one_rank_draws_extra",
     "ddp_noise_over_own_shapes_then_a_data_split",
@@ -1675,6 +1690,32 @@ def test_per_rank_streams_may_draw_per_rank_shapes_and_amounts(
     for rank, r in two.ok(name).items():
         text = "\n".join(r["notes"])
         assert f"not compared: {stream} is seeded differently on each rank" in text, (rank, text)
+
+
+def test_strict_learns_nothing_and_finds_every_such_difference(two: Any) -> None:
+    """What is learnt from a mismatch is said as learnt (a per-rank stream, a line drawing each
+    rank's own arguments); with strict=True (RNGCHECK_STRICT=1, for CI) nothing is learnt, and
+    the same programs are found at the op where the ranks parted."""
+    learnt = "Learnt from the ranks' draws, not declared: with strict=True"
+    for name in (
+        "ddp_seed_plus_rank_crops_on_the_default_generator",
+        "ddp_noise_over_each_ranks_own_shapes",
+    ):
+        for rank, r in two.ok(name).items():
+            assert not r["findings"], (name, rank, r["findings"])
+            assert learnt in "\n".join(r["notes"]), (name, rank, r["notes"])
+    for rank, r in two.ok("ddp_seed_plus_rank_crops_strict").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["kind"] == "rank_divergence", f
+        assert "with different arguments" in f["message"], f
+        assert "seeded differently on each rank (initial seed 42 on rank 0" in f["cause"], f
+        assert learnt not in "\n".join(r["notes"]), r["notes"]
+    for rank, r in two.ok("ddp_noise_over_each_ranks_own_shapes_strict").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
+        f = r["findings"][0]
+        assert f["op"] == "aten.randn_like.default" and "with different arguments" in f["message"]
+        assert learnt not in "\n".join(r["notes"]), r["notes"]
 
 
 def test_a_generator_moved_apart_by_the_data_parallel_forward_is_said_and_not_compared(

@@ -103,6 +103,7 @@ def test_the_startup_hook_is_installed_with_the_package() -> None:
         ("RNGCHECK_WINDOW", "1.5", "a whole number from 1 to 1,000,000"),
         ("RNGCHECK_RECOMPUTE", "sure", "0, false, off, no"),
         ("RNGCHECK_RECOMPUTE", "", "is set but empty: use one of 1, true, on, yes"),
+        ("RNGCHECK_STRICT", "always", "0, false, off, no"),
         ("RNGCHECK_REPORT", " ", "a directory or a file path"),
     ],
 )
@@ -162,6 +163,7 @@ def test_settings_map_to_the_mode_and_per_rank_files(tmp_path: Path) -> None:
             "RNGCHECK_EVERY": "10",
             "RNGCHECK_TIMEOUT": "30",
             "RNGCHECK_RECOMPUTE": "0",
+            "RNGCHECK_STRICT": "1",
             "RNGCHECK_REPORT": str(tmp_path),
             "RNGCHECK_TRACE": str(tmp_path / "t-{rank}.jsonl"),
             "RANK": "3",
@@ -172,7 +174,7 @@ def test_settings_map_to_the_mode_and_per_rank_files(tmp_path: Path) -> None:
     kw = s.mode_kwargs
     assert (kw["on_finding"], kw["sync"], kw["expect"]) == ("record", "op", "differ")
     assert kw["timeout"] == 30.0
-    assert kw["check_recompute"] is False
+    assert kw["check_recompute"] is False and kw["strict"] is True
     assert kw["report_path"] == str(tmp_path / "rank3.json")
     assert kw["trace"] == str(tmp_path / "t-3.jsonl")
     # A plain file name in a multi-rank job gets the rank, so ranks never overwrite each other.

@@ -214,6 +214,14 @@ VARIABLES: dict[str, Variable] = {
             parse=_switch,
         ),
         Variable(
+            name="RNGCHECK_STRICT",
+            values="1/true/on/yes, 0/false/off/no",
+            default="off",
+            help="Across ranks, learn nothing from a mismatch (per-rank seeds, lines that draw "
+            "each rank's own arguments or counts): report every such difference (for CI).",
+            parse=_switch,
+        ),
+        Variable(
             name="RNGCHECK_EVERY",
             values=RANGES["every_steps"].text("N"),
             default="1",
@@ -329,6 +337,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "every_steps": every_steps,
         "window": values.get("RNGCHECK_WINDOW", 4096),
         "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
+        "strict": values.get("RNGCHECK_STRICT", False),
         "ignore": values.get("RNGCHECK_IGNORE", ()),
         "level": values.get("RNGCHECK_LEVEL", "op"),
         "sample_every": values.get("RNGCHECK_SAMPLE_EVERY", 100),

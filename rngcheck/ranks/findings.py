@@ -219,7 +219,7 @@ def _flow_finding(
                 ", seeded alike on every rank, so its states part here and every later draw "
                 "from it differs across ranks. Draw per-rank work from a generator seeded per rank"
                 if _seeded_alike(events.values())
-                else ""
+                else _seeded_apart(sides)
             )
             + (
                 _UNWRAPPED
@@ -317,6 +317,15 @@ def _same_call_site(sides: Sequence[Side]) -> bool:
 def _seeded_alike(events: Iterable[RandomOpEvent | None]) -> bool:
     seeds = {e.seed if e is not None else None for e in events}
     return len(seeds) == 1 and None not in seeds
+
+
+def _seeded_apart(sides: Sequence[Side]) -> str:
+    """ ", seeded differently on each rank (...)" when the sides' generators were, else ""."""
+    seeds = [(s.event.seed, s.ranks) for s in sides if s.event is not None]
+    if len({seed for seed, _ in seeds}) < 2 or any(seed is None for seed, _ in seeds):
+        return ""
+    told = "; ".join(f"{seed} on {ranks_word(ranks)}" for seed, ranks in seeds)
+    return f", seeded differently on each rank (initial seed {told})"
 
 
 def _describe(side: Side) -> str:

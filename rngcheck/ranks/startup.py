@@ -92,6 +92,7 @@ def _agree(
         cfg.level,
         str(cfg.sample_every),
         str(cfg.sample_first),
+        str(cfg.strict),
     )
     t = torch.tensor([settings, *mine], dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(world)]
@@ -99,9 +100,9 @@ def _agree(
     rows = [o.tolist() for o in out]
     if len({r[0] for r in rows}) > 1:
         raise ValueError(
-            "rngcheck needs the same sync, expect, every_ops, every_steps, level, sample_every and "
-            "sample_first on every rank; the ranks were started with different ones (check the "
-            "RNGCHECK_* environment of each rank)"
+            "rngcheck needs the same sync, expect, every_ops, every_steps, level, sample_every, "
+            "sample_first and strict on every rank; the ranks were started with different ones "
+            "(check the RNGCHECK_* environment of each rank)"
         )
     parts = sorted({tuple(i for i, v in enumerate(r[1:]) if v == 1) for r in rows} - {()})
     check_disjoint(parts)
