@@ -624,9 +624,22 @@ class RankChecker:
         )
 
     def publish(self) -> None:
-        """The exchange counters into the report's metadata (at every op-level exchange; for the
-        step level's, when the report is read)."""
-        self._handle.meta["rank_exchange"] = self.stats.to_dict()
+        """The exchange counters, and what was compared and how, into the report's metadata (at
+        every op-level exchange; for the step level's, when the report is read)."""
+        meta = self._handle.meta
+        meta["rank_exchange"] = self.stats.to_dict()
+        not_compared: dict[str, int] = {}
+        for key, count in self.judge.exempted.items():
+            reason = "among_peers_only" if key.among else key.reason.value
+            not_compared[reason] = not_compared.get(reason, 0) + count
+        level = self._steps_level
+        meta["rank_compared"] = {
+            **self.window.compared,
+            "initialisations": self.inits.compared,
+            "initialisations_broadcast": sum(self.inits.broadcast.values()),
+            "step_rounds": level.digests.rounds if level is not None else 0,
+            "not_compared": not_compared,
+        }
 
 
 _NO_VEC = torch.zeros(1, dtype=torch.int64)

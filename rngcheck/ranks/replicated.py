@@ -47,6 +47,7 @@ class Initialisations:
         self.settled = False
         self.broadcast: dict[str, int] = {}  # wrapper label -> initialisations it overwrote
         self.replaced = 0  # initialisations of parameters gone by the settle point
+        self.compared = 0  # initialisations compared at the settle point
         self.held: list[Finding] = []  # per-rank seeding seen before the program was known DP
 
     def defer(self, row: Row, event: RandomOpEvent, written: Any, mesh: Any) -> Row:
@@ -74,6 +75,7 @@ class Initialisations:
         if not self.due:
             return None
         inits, self.pending = self._live(self.pending, wrappers), []
+        self.compared += len(inits)
         held, self.held = self.held, []
         self.due, self.settled = False, True
         return inits, held
@@ -82,6 +84,7 @@ class Initialisations:
         """A round that settled them met a rank that ran out of inputs in torch's Join: they are
         settled at the first exchange after it, on every rank (P7)."""
         self.pending = [*inits, *self.pending]
+        self.compared -= len(inits)
         self.held = [*held, *self.held]
         self.settled = False
 

@@ -18,7 +18,9 @@ from .groups import GroupResolver
 from .protocol import POLICY_CODE, Row, gen_key, text_hash
 from .verdict import Compare, Domain, Verdict
 
-__all__ = ["Taken", "Window"]
+__all__ = ["COMPARED", "Taken", "Window"]
+
+COMPARED = ("by_state", "by_what_runs", "as_calls", "among_peers", "must_differ")
 
 
 class _Unchecked(NamedTuple):
@@ -73,6 +75,9 @@ class Window:
         self._seen: set[str] = set()  # generators whose first use was seen (per stream kind)
         self._uncompared: dict[str, _Unchecked] = {}  # generator -> its uncompared ops since
         self.now = Taken()
+        # What the rows compare, for the report (a quiet run says what it compared): by state,
+        # by what runs only (a generator apart), as calls, among peers, or as must-differ.
+        self.compared: dict[str, int] = dict.fromkeys(COMPARED, 0)
 
     def take(self) -> Taken:
         """The window so far, for a round; the pending one starts empty."""
@@ -151,5 +156,20 @@ class Window:
         )
         if stream and not peers and mesh is None:
             row = self._defer(row, event, written, mesh)
+            if not row.stream:  # (an initialisation: its state is compared at the settle point)
+                stream = 0
+        kind = (
+            "among_peers"
+            if peers
+            else "as_calls"
+            if call
+            else "must_differ"
+            if policy == "differ"
+            else "by_state"
+            if by_state
+            else "by_what_runs"
+        )
+        if stream or peers:
+            self.compared[kind] += 1
         now.events.append(event)
         now.rows.append(row)
