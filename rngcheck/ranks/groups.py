@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["GroupResolver", "check_disjoint", "is_mesh", "op_mesh", "resolve_group"]
+__all__ = ["GroupResolver", "Spans", "check_disjoint", "is_mesh", "op_mesh", "resolve_group"]
 
 _MAX_GROUPS = 256  # resolved group specs kept
 
@@ -132,3 +132,35 @@ class GroupResolver:
                     members = None
             hit = self._groups[key] = ((spec, mesh), members)  # refs keep the ids from reuse
         return hit[1]
+
+
+class Spans:
+    """Whether a collective (its op's ``args``) runs over every rank of ``domain``. One over a
+    subgroup (a data-parallel group beside pipeline stages, a tensor-parallel group) runs on its
+    ranks only, while the others send, receive or compute: waiting for them there would hang
+    until the timeout. True when the op names no process group. Cached per group name."""
+
+    def __init__(self, domain: tuple[int, ...]) -> None:
+        self._domain = domain
+        self._spans: dict[str, bool] = {}
+
+    def __call__(self, args: tuple) -> bool:
+        import torch
+
+        for arg in args:
+            if not isinstance(arg, torch.ScriptObject):
+                continue
+            try:
+                group = dist.ProcessGroup.unbox(arg)
+            except RuntimeError:  # another kind of object (a ReduceOp)
+                continue
+            name = group.group_name
+            spans = self._spans.get(name)
+            if spans is None:
+                try:
+                    ranks = set(dist.get_process_group_ranks(group))
+                except (KeyError, ValueError, RuntimeError):  # a group c10d does not list
+                    return True  # (aligned on, as every collective was)
+                spans = self._spans[name] = ranks.issuperset(self._domain)
+            return spans
+        return True
