@@ -3,7 +3,8 @@
 # (torch_xla needs exactly that torch but does not declare it: both are pinned here) and rngcheck
 # installed editable without deps; then, on the CPU (PJRT_DEVICE=CPU):
 #   1. the XLA tests (tests/test_xla.py, marker "xla"; they skip in the main lane);
-#   2. the single-process core tests, since rngcheck claims torch 2.9 support.
+#   2. the single-process core tests, since rngcheck claims torch 2.9 support, and the
+#      integrations' coverage test (every name rngcheck hooks resolves on torch 2.9).
 # The venv is reused while its pins match (see scripts/lane_venv.sh); otherwise it is rebuilt
 # (PyPI's torch 2.9.0 for x86_64 is the CUDA build: ~3.9 GB to download, ~7 GB on disk, ~2 min).
 set -euo pipefail
@@ -22,7 +23,8 @@ echo "xla lane: XLA tests (torch $("$VENV/bin/python" -c 'import torch; print(to
 "$VENV/bin/python" -m pytest -q -m xla tests/test_xla.py || status=1
 
 shopt -s nullglob
-core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py)
+# (and the integrations' coverage: every hooked name resolves on torch 2.9)
+core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py tests/test_integrations.py)
 if [ ${#core[@]} -gt 0 ]; then
   echo "xla lane: core single-process tests on torch 2.9"
   "$VENV/bin/python" -m pytest -q "${core[@]}" || status=1

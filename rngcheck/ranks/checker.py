@@ -36,7 +36,7 @@ from .integrations.records import Frames, Hook, Integration, Wrapper
 from .join import Joins
 from .program import Program, optimizer_parameters
 from .protocol import ExchangeStats, Point, text_hash
-from .replicated import Initialisations
+from .replicated import Initialisations, Replicas
 from .rounds import Round, Rounds
 from .scopes import Judge, peers_stream
 from .step_digest import STEPS_PER_ROUND, StepVerdict
@@ -91,8 +91,16 @@ class RankChecker:
         self.states = GeneratorStates(strict=cfg.strict)
         self.inits = Initialisations()
         self.program = Program()
+        self.replicas = Replicas(self.program, rank, domain)
         self.judge = Judge(
-            self.program, rank, domain, groups, self.states, self._peers, self._read_gap
+            self.program,
+            rank,
+            domain,
+            groups,
+            self.states,
+            self.inits,
+            self._peers,
+            self._read_gap,
         )
         self.window = Window(groups, self.states, self._stream_members, self.inits.defer)
         divergences = Divergences(
@@ -106,7 +114,7 @@ class RankChecker:
             self._seed_calls,
         )
         self._hooks = Hooks(
-            self.program, self._on_wrapper, self.inits.settle_due, self._on_join, self._gap
+            self.program, self._on_wrapper, self._on_forward, self._on_join, self._gap
         )
         # every_steps > 1: only every Nth optimizer step is checked. Steps in between record no
         # rows and treat no collective as an alignment point, so they cost nothing here; a
@@ -135,6 +143,8 @@ class RankChecker:
             inits=self.inits,
             program=self.program,
             divergences=divergences,
+            replicas=self.replicas,
+            seed_calls=self._seed_calls,
             lock=self._lock,
             emit=handle.emit,
             publish=self.publish,
@@ -302,6 +312,7 @@ class RankChecker:
     def on_step(self, optimizer: Any) -> None:
         """An optimizer step ended (the mode calls this, from its one step hook)."""
         self.program.on_step()
+        self.replicas.on_step(optimizer)
         self._hooks.refresh(if_imported=True)
         self.inits.settle_due()
         if self._joins.inside:
@@ -336,6 +347,8 @@ class RankChecker:
         that keeps drawing extra numbers is named at its op and line."""
         self._checking = checking
         self.states.set_rebase(rebase if checking else ())
+        # (a sampled step compares the replicated parameters again, read at its first forward)
+        self.replicas.sampling = checking and self.inits.settled
 
     def step_level(
         self, step: int, generators: Any, escalate: bool, sampled: bool, post: bool = True
@@ -375,6 +388,11 @@ class RankChecker:
             # program, before any of its ops (P4: every peer checks it at every round).
             self.judge.peers_of(wrapper)
             self.inits.on_wrapper(wrapper)
+
+    def _on_forward(self) -> None:
+        """A data-parallel wrapper's outermost forward begins."""
+        self.inits.settle_due()
+        self.replicas.on_forward()
 
     def _on_join(self, what: str, join: JoinSeen) -> None:
         self._joins.on_join(what, join)
@@ -428,6 +446,8 @@ class RankChecker:
             **self.window.compared,
             "initialisations": self.inits.compared,
             "initialisations_broadcast": sum(self.inits.broadcast.values()),
+            "initialisations_replaced": self.inits.replaced,
+            "replicated_parameters": self.replicas.compared,
             "step_rounds": level.digests.rounds if level is not None else 0,
             "not_compared": not_compared,
         }

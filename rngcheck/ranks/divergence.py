@@ -30,12 +30,14 @@ from .localise import Spot, localise
 from .protocol import PEERS, POLICY_CODE, Row, gen_key, text_hash
 from .replicated import Initialisations
 from .scopes import Judge
+from .verdict import Reason
 from .window import Taken
 
 __all__ = ["Divergences"]
 
 log = logging.getLogger(__name__)
 
+_DEFAULT = POLICY_CODE["same"]  # a row outside every declared scope
 _COUNT_LINES_READ = 512  # learnt lines by counts: ops whose lines a rank reads (each a stack)
 
 
@@ -61,6 +63,19 @@ class Divergences:
         self._inits = inits
         self._peer_streams = peer_streams
         self._seed_calls = seed_calls
+        # What the last round's slow path changed of this rank's rows: the generators it moved
+        # apart (hashed), and the indices learnt lines took out (counted as theirs).
+        self.apart: set[int] = set()
+        self.skipped: set[int] = set()
+
+    @property
+    def per_rank(self) -> dict[int, Any]:
+        """The generators (hashed) learnt to be per-rank streams."""
+        return self._states.per_rank
+
+    def count_per_rank(self, event: RandomOpEvent) -> None:
+        """A row of a learnt per-rank stream, in the round that learnt it: not compared."""
+        self._judge.count(Reason.PER_RANK_SEED, event.generator.short_label)
 
     def judge_round(
         self,
@@ -86,16 +101,20 @@ class Divergences:
         where = point_text(points[self.rank], sent.where, stack)
         dropped: dict[int, set[int]] = {}  # rows at a line learnt by counts, per rank
         states, rank = self._states, self.rank
+        self.apart, self.skipped = set(), set()
         wrappers = tuple(w.label for w in self._judge.program.wrappers)
         while True:
-            # Per-rank streams leave the comparison, but not parameter initialisations: a
-            # replicated parameter drawn from a per-rank stream is still wrong.
+            # Per-rank streams leave the comparison outside every scope, but not parameter
+            # initialisations (a replicated parameter drawn from one is still wrong), nor a draw
+            # under expect(...), an order or a peers stream (their rows keep their own policy
+            # or generator key): a declaration wins over what was learnt.
             skip = () if init else states.per_rank
             kept = {
                 r: [
                     i
                     for i, row in enumerate(w)
-                    if row.generator not in skip and i not in dropped.get(r, ())
+                    if not (row.generator in skip and row.policy == _DEFAULT)
+                    and i not in dropped.get(r, ())
                 ]
                 for r, w in windows.items()
             }
@@ -181,6 +200,8 @@ class Divergences:
                     if pos < len(kept[r]):
                         i = kept[r][pos]
                         w[i] = w[i]._replace(structure=common, before=0, after=0)
+                        if r == rank:
+                            self.skipped.add(i)
                 drift = own
             counted = own_count(spot, details) if drift is None and not strict else None
             if counted is not None:
@@ -191,6 +212,7 @@ class Divergences:
                 there = details[extra].spot_line
                 for r, d in details.items():
                     dropped.setdefault(r, set()).update(d.lines.get(there, ()))
+                self.skipped.update(dropped.get(rank, ()))
                 drawn = len(details[rank].lines.get(there, ()))
                 reason = states.learn_line(event_c, by_counts=True)
                 self._judge.count(reason, event_c.site, n=drawn)
@@ -206,6 +228,7 @@ class Divergences:
                 seed = mine_d.seed if mine_d is not None else None
             states.go_apart(event_d, how, seed)
             gen = text_hash(gen_key(event_d))
+            self.apart.add(gen)
             windows = {
                 r: [row._replace(before=0, after=0) if row.generator == gen else row for row in w]
                 for r, w in windows.items()

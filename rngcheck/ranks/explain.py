@@ -254,9 +254,16 @@ def note_rank(key: Any) -> int:
     return _NOTE_ORDER.index(key.reason) if key.reason in _NOTE_ORDER else len(_NOTE_ORDER)
 
 
-def exempted_note(key: Any, count: int) -> Note:
-    """The note for ``count`` random ops a scope left uncompared (a ``scopes.Exempt`` key)."""
-    text = _AMONG_PEERS.format(subject=key.subject) if key.among else _NOTE[key.reason](key)
+def exempted_note(key: Any, count: int) -> Note | None:
+    """The note for ``count`` random ops a scope left uncompared (a ``scopes.Exempt`` key); None
+    for what has a note of its own (a per-rank stream's) or needs none (``expect("ignore")``)."""
+    say = _NOTE.get(key.reason)
+    if key.among:
+        text = _AMONG_PEERS.format(subject=key.subject)
+    elif say is not None:
+        text = say(key)
+    else:
+        return None
     kind = "learnt" if key.reason in LEARNT else "not_compared"
     return Note(
         kind=kind,
@@ -408,7 +415,11 @@ def rank_notes(
                 "round again.",
             )
         )
-    notes = [(note_rank(key), exempted_note(key, count)) for key, count in exempted.items()]
+    notes = [
+        (note_rank(key), note)
+        for key, count in exempted.items()
+        if (note := exempted_note(key, count)) is not None
+    ]
     at = _NOTE_ORDER.index("broadcast_inits")
     notes += [
         (

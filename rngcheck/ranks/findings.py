@@ -29,11 +29,13 @@ __all__ = [
     "build_finding",
     "init_finding",
     "missing_finding",
+    "replica_finding",
     "pass_order_finding",
     "point_text",
 ]
 
 _DATA_DIR = "/torch/utils/data/"
+_U64 = (1 << 64) - 1
 
 
 POINT_TEXT = {
@@ -707,6 +709,54 @@ def init_finding(finding: Finding, details: dict[int, Detail]) -> Finding:
         finding,
         message=f"parameters initialised differently across ranks: {finding.message}",
         cause=cause,
+    )
+
+
+def replica_finding(
+    members: tuple[int, ...],
+    name: str,
+    owner: str,
+    digests: dict[int, int | None],
+    details: dict[int, Detail],
+) -> Finding:
+    """A parameter said replicated over ``members`` (by ``owner``) holds different values on
+    them at the settle point. The initialisations rngcheck recorded for it explain it when they
+    drew from different states (the finding is then theirs, as an initialisation's); else the
+    values came from somewhere no random op shows."""
+    events = {r: details[r].event for r in members if r in details}
+    drawn = {r: e for r, e in events.items() if e is not None}
+    if len(drawn) == len(members) and len({e.before for e in drawn.values()}) > 1:
+        found = _state_finding(dict(drawn), details)
+        return init_finding(replace(found, ranks=members), details)
+    groups = rank_groups({r: d if d is not None else -1 for r, d in digests.items()})
+    ordered, labels = _labels(groups, len(groups) - 1)
+
+    def said(digest: int | None) -> str:
+        return "holds no such parameter" if digest is None else f"digest {digest & _U64:016x}"
+
+    sides = tuple(
+        Side(label=label, ranks=g, note=said(digests[g[0]]))
+        for label, g in zip(labels, ordered, strict=False)
+    )
+    apart = " and ".join(ranks_word(s.ranks) for s in sides)
+    return Finding(
+        kind=FindingKind.RANK_DIVERGENCE,
+        message=(
+            f"replicated parameters differ across ranks: {name} holds different values on "
+            f"{apart}, where {owner} says it is replicated over ranks {format_ranks(members)}"
+        ),
+        op="",
+        cause=(
+            "no random op rngcheck saw explains it (its initialisations drew alike, or none "
+            "was drawn under the checker): it was loaded or changed on some ranks only (a "
+            "checkpoint loaded on one rank, an in-place edit under a test of the rank), or "
+            "initialised differently before the checker started. Load or change it alike on "
+            "every rank, or broadcast it from one rank afterwards (DistributedDataParallel "
+            "broadcasts its module's states when it is built, unless init_sync=False)"
+        ),
+        differs="parameter",
+        ranks=members,
+        sides=sides,
     )
 
 

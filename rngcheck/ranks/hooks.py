@@ -365,6 +365,8 @@ def _wrapper_forward(hooks: Hooks, integration: Integration, hook: Any, cls: Any
         if wrapper is None:
             wrapper = hooks.describe(integration, hook, lambda: hook.describe(module))
             if wrapper is not None:
+                if hook.layers:  # (a pipeline schedule: each rank runs its own layers)
+                    wrapper = dataclasses.replace(wrapper, pipeline=True)
                 hooks.register(module, wrapper)
         if wrapper is None:
             return _call(own, cls, method, module, args, kwargs)

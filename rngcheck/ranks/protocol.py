@@ -171,11 +171,14 @@ def fast_vector(
     init: list[Row] | None,
     peer_streams: Iterable[int] = (),
     joined: bool = False,
+    extra: dict[int, list[Row]] | None = None,
 ) -> tuple[torch.Tensor, dict[int, list[Row]]]:
     """The group-wide vector of one round, and this rank's streams over parts of the group;
     ``peer_streams``: the peers streams this rank knows, each checked at every round, with its
     rows or none (peers may differ in having rows: P4 must not wait for a check one skips);
-    ``joined``: this rank has run out of inputs inside torch's Join (P7)."""
+    ``joined``: this rank has run out of inputs inside torch's Join (P7); ``extra``: more
+    streams over parts of the group, checked with them (a settling round's replicated
+    parameters, whose rows are no random ops)."""
     structure = fold(r.structure for r in rows if r.policy != PEERS)
     whole: list[Row] = []
     parts: dict[int, list[Row]] = {stream: [] for stream in peer_streams}
@@ -184,6 +187,8 @@ def fast_vector(
             whole.append(r)
         elif r.stream:
             parts.setdefault(r.stream, []).append(r)
+    for stream, extra_rows in (extra or {}).items():
+        parts.setdefault(stream, []).extend(extra_rows)
     x = fold(v for r in whole for v in (r.structure, r.before, r.after))
     # The parameter initialisations, at the one round that settles them (replicated.py).
     y = 0

@@ -17,12 +17,14 @@ import torch.distributed as dist
 from ..core.findings import Finding
 from ..core.stacks import Stack
 from .board import Board
+from .detail import Detail
 from .divergence import Divergences
 from .exchange import PeerLost, SideGroup
-from .findings import missing_finding, point_text
+from .findings import missing_finding, point_text, replica_finding
 from .program import Program
 from .protocol import PIPELINED, ExchangeStats, Point, disagreement, fast_vector, joined
-from .replicated import Init, Initialisations
+from .replicated import Held, Init, Initialisations, Replicas, first_difference
+from .replicated import rows as replica_rows
 from .window import Taken, Window
 
 __all__ = ["Round", "Rounds"]
@@ -43,6 +45,10 @@ class Round:
     stack: Stack | None  # where this rank posted it (pipelined rounds); else taken when settled
     init: list[Init] | None = None  # the parameter initialisations this round settles
     held: list[Finding] = field(default_factory=list)  # per-rank seeding held back until now
+    # ... and the replicated parameters it compares by digest, with the initialisations that
+    # explain a difference among them
+    replicas: list[Held] | None = None
+    explaining: list[Init] = field(default_factory=list)
     work: Any = None
 
 
@@ -65,6 +71,8 @@ class Rounds:
         inits: Initialisations,
         program: Program,
         divergences: Divergences,
+        replicas: Replicas,
+        seed_calls: Callable[[Any], tuple[Any, ...]],
         lock: Any,
         emit: Callable[[Finding], None],
         publish: Callable[[], None],
@@ -83,6 +91,8 @@ class Rounds:
         self._inits = inits
         self._program = program
         self._divergences = divergences
+        self._replicas = replicas
+        self._seed_calls = seed_calls
         self._lock = lock
         self._emit = emit
         self._publish = publish
@@ -132,10 +142,13 @@ class Rounds:
             return None
         # The settle point of the parameter initialisations (and the per-rank seeding held back
         # with them): every rank gets here at the same round (P5).
-        settling = self._inits.take(self._program.wrappers)
+        held = self._replicas.held() if self._inits.due else self._replicas.take_sampled()
+        settling = self._inits.take(self._program.wrappers, {id(h.parameter) for h in held})
         self.number += 1
         self.stats.exchanges += 1
         taken = self._window.take()  # (the window belongs to the round until it is settled)
+        for h in held:  # (streams over the replicated parameters' groups)
+            self._stream_members[h.stream] = h.members
         vec, parts = fast_vector(
             self.number,
             point,
@@ -144,6 +157,7 @@ class Rounds:
             [i.row for i in settling[0]] if settling is not None else None,
             self._peer_streams,
             joined=joined,
+            extra=replica_rows(held),
         )
         # level="step": a sampled step's round is judged at once (the next step may be unchecked).
         # A Join round is settled at the iteration's optimizer step, or the next exchange (P7).
@@ -161,7 +175,9 @@ class Rounds:
             if pipelined and not joined and (taken.rows or point is not Point.JOIN)
             else None,
             init=settling[0] if settling is not None else None,
-            held=settling[1] if settling is not None else [],
+            held=settling[2] if settling is not None else [],
+            replicas=held if settling is not None or held else None,
+            explaining=settling[1] if settling is not None else [],
         )
         try:
             sent.work = self._side.all_reduce_max(vec, fast=True, async_op=True)
@@ -186,7 +202,7 @@ class Rounds:
                 if sent.init is not None:
                     # Its parameter initialisations are settled at the first exchange after the
                     # Join, on every rank (a rank that ran out may not have sent them).
-                    self._inits.put_back(sent.init, sent.held)
+                    self._inits.put_back(sent.init, sent.explaining, sent.held)
                 return None
             mismatch, init_mismatch = disagreement(sent.vec)
             if not mismatch and int(sent.vec[-1]) > 0:
@@ -207,15 +223,60 @@ class Rounds:
                 assert sent.init is not None
                 rows, events = [i.row for i in sent.init], [i.event for i in sent.init]
                 finding = self._divergences.judge_round(sent, rows, events, taken, init=True)
+            if sent.replicas is not None:
+                self._replicas.compared += len(sent.replicas)
+                if finding is None and mismatch and not self.stopped:
+                    finding = self._replicated(sent)
             if finding is None and sent.held and not self._program.data_parallel:
                 finding = sent.held[0]  # seeded per rank, and the program is not data-parallel
             if finding is not None:
                 self.stopped = True  # P6
                 self._window.take()
+            else:
+                self._count(taken, mismatch)
             return finding
         except PeerLost as e:  # gloo: the group timeout, or a peer that went away
             self.stopped = True
             return self.missing(sent, point, where, e.__cause__ or e)
+
+    def _count(self, taken: Taken, judged: bool) -> None:
+        """What a round that settled without a finding compared (after what its slow path, if
+        it ran, learnt)."""
+        divergences = self._divergences
+        apart = divergences.apart if judged else set()
+        skipped = divergences.skipped if judged else set()
+        per_rank = self._window.settled(taken, apart, skipped, self._divergences.per_rank)
+        for i in per_rank:
+            self._divergences.count_per_rank(taken.events[i])
+
+    def _replicated(self, sent: Round) -> Finding | None:
+        """A settling round that disagreed: the first replicated parameter whose digests differ
+        (gathered), explained by its initialisations where these drew apart; None when the
+        disagreement was elsewhere."""
+        held = sent.replicas or []
+        differs = first_difference(self._side, held)
+        if differs is None:
+            return None
+        event = None
+        if self.rank in differs.members:  # (its first initialisation on this rank, if seen)
+            mine = [
+                h.parameter for h in held if (h.name, h.members) == (differs.name, differs.members)
+            ]
+            event = next(
+                (i.event for i in sent.explaining if mine and i.parameter() is mine[0]), None
+            )
+        detail = Detail(
+            event=event,
+            point=sent.where,
+            seed_calls=self._seed_calls(event) if event is not None else (),
+            wrappers=tuple(w.label for w in self._program.wrappers),
+        )
+        details = {
+            r: Detail.from_dict(d) for r, d in self._side.gather_json(detail.to_dict()).items()
+        }
+        return replica_finding(
+            differs.members, differs.name, differs.owner, differs.digests, details
+        )
 
     def missing(self, sent: Round, point: Point, where: str, error: BaseException) -> Finding:
         """A rank did not arrive at round ``sent`` in time: find out which through the store, and

@@ -47,6 +47,7 @@ from .integrations.common import Unreadable
 from .integrations.records import Frames, Role, ShareSplit, Wrapper
 from .program import Program
 from .protocol import text_hash
+from .replicated import Initialisations
 from .verdict import Compare, Domain, Reason, Verdict
 
 __all__ = ["NOT_READING", "Exempt", "Judge", "Reading", "reading", "sketch"]
@@ -222,6 +223,7 @@ class Judge:
         domain: tuple[int, ...],
         groups: GroupResolver,
         learnt: GeneratorStates,
+        inits: Initialisations,
         on_peers: Callable[[tuple[int, ...]], None],
         on_gap: ReadGap,
     ) -> None:
@@ -234,7 +236,7 @@ class Judge:
         self._on_gap = on_gap
         self._peer_sets: dict[tuple[int, ...], tuple[int, ...]] = {}
         self.exempted: dict[Exempt, int] = {}
-        self.settled = False  # the parameter initialisations were settled (the first step)
+        self._inits = inits  # (settled: the parameter initialisations were, at the first step)
         self.shares_seen = False  # a rank's own share of the data was read
         self._dispatchers = tuple(
             h.module
@@ -264,7 +266,7 @@ class Judge:
             verdict.compared
             and written is not None
             and self.program.stages
-            and not self.settled
+            and not self._inits.settled
             and current_expectation() is None
         ):
             stage = self._stage_init(written)
@@ -275,6 +277,7 @@ class Judge:
 
     def _judge(self, event: RandomOpEvent, mesh: Any) -> Verdict:
         if event.expect == "ignore":
+            self.count(Reason.IGNORED, "")
             return IGNORED
         if mesh is not None:
             return self._dtensor(event, mesh)
@@ -320,8 +323,12 @@ class Judge:
         if not declared:
             learnt = self._learnt.verdict(event)
             if learnt is not None:
-                if learnt.reason is not Reason.PER_RANK_SEED:  # (per-rank streams: a note each)
-                    self.count(learnt.reason, learnt.subject)
+                subject = (
+                    event.generator.short_label
+                    if learnt.reason is Reason.PER_RANK_SEED
+                    else learnt.subject
+                )
+                self.count(learnt.reason, subject)
                 return learnt
         compare = Compare.DIFFER if event.expect == "differ" else Compare.STATE
         return Verdict(Domain.GROUP, compare, Reason.DECLARED if declared else Reason.DEFAULT)
@@ -335,7 +342,7 @@ class Judge:
             program.wrappers
             or program.stages
             or self.shares_seen
-            or not self.settled
+            or not self._inits.settled
             or any(m in sys.modules for m in self._dispatchers)
         ):
             return reading(0, self._on_gap)

@@ -221,6 +221,7 @@ class StepDigests:
             # than the timeout, and reports it.
             return first
         if not self._counts_apart(vec) and steps:
+            self.rounds += 1  # (the closing round compared the last steps)
             last = self._judge(_Posted(steps, vec, None))
             if first is None:
                 return last

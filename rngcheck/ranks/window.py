@@ -51,6 +51,7 @@ class Taken:
     orders: dict[int, Verdict] = field(default_factory=dict)  # index -> the order it drew
     calls: dict[int, str] = field(default_factory=dict)  # index -> the generate() call's model
     in_order: int = 0  # rows in the group's order (all but peers rows)
+    kinds: list[str] = field(default_factory=list)  # per row: how it compares ("": not counted)
 
 
 # defer(row, event, written, mesh) -> the row to post now (a parameter's initialisation is
@@ -75,8 +76,8 @@ class Window:
         self._seen: set[str] = set()  # generators whose first use was seen (per stream kind)
         self._uncompared: dict[str, _Unchecked] = {}  # generator -> its uncompared ops since
         self.now = Taken()
-        # What the rows compare, for the report (a quiet run says what it compared): by state,
-        # by what runs only (a generator apart), as calls, among peers, or as must-differ.
+        # What the settled rounds compared, for the report (a quiet run says what it compared):
+        # by state, by what runs only (a generator apart), as calls, among peers, must-differ.
         self.compared: dict[str, int] = dict.fromkeys(COMPARED, 0)
 
     def take(self) -> Taken:
@@ -169,7 +170,25 @@ class Window:
             if by_state
             else "by_what_runs"
         )
-        if stream or peers:
-            self.compared[kind] += 1
+        now.kinds.append(kind if stream or peers else "")
         now.events.append(event)
         now.rows.append(row)
+
+    def settled(self, taken: Taken, apart: set[int], skipped: set[int], per_rank: Any) -> list[int]:
+        """A round settled without a finding: count what its rows compared. ``apart``: the
+        generators (hashed) the slow path moved apart in it (their rows there compared by what
+        runs); ``skipped``: the indices learnt lines took out of it (counted as theirs);
+        ``per_rank``: the generators learnt to be per-rank streams (their default rows there
+        were not compared). Returns the indices of the per-rank rows, for the caller to count."""
+        per_rank_rows = []
+        default = POLICY_CODE["same"]
+        for i, (row, kind) in enumerate(zip(taken.rows, taken.kinds, strict=True)):
+            if not kind or i in skipped:
+                continue
+            if row.generator in per_rank and row.policy == default:
+                per_rank_rows.append(i)
+                continue
+            if kind == "by_state" and row.generator in apart:
+                kind = "by_what_runs"
+            self.compared[kind] += 1
+        return per_rank_rows

@@ -33,7 +33,11 @@ def _engine(engine: Any, broadcasting: bool) -> Wrapper:
     ranks = group_ranks(read(engine, "seq_data_parallel_group"))
     broadcasts = broadcasting and read(engine, "dist_backend") is not None
     held = states(read(engine, "module"), False) if broadcasts else {}
-    return Wrapper(kind=_KIND, ranks=ranks, broadcasts=broadcasts, peers=(), **held)
+    # (ZeRO-3 partitions the parameters: each rank holds a shard, not the whole)
+    whole = read(engine, "zero_optimization_stage")() < 3
+    return Wrapper(
+        kind=_KIND, ranks=ranks, broadcasts=broadcasts, replicates=whole, peers=(), **held
+    )
 
 
 def _running(engine: Any) -> Wrapper:

@@ -53,6 +53,11 @@ class Hook:
         """The scope it opens, in words (the documentation's table)."""
         return self.says
 
+    @property
+    def opens(self) -> Reason | None:
+        """The reason of the scope it opens (None: it opens none, it only learns)."""
+        return self.reason
+
 
 class Role(str, enum.Enum):
     """What a function's frame on the stack says of the random ops drawn below it."""
@@ -111,6 +116,9 @@ class Wrapper:
     kind: str
     ranks: tuple[int, ...]  # global ranks of its process group (or mesh)
     broadcasts: bool = False  # overwrote the module's states from one rank when it was built
+    # Its module's parameters are whole on every rank of its group and must be equal there (DDP;
+    # DeepSpeed below ZeRO-3), compared by digest at the first step; not a sharding wrapper's.
+    replicates: bool = False
     # The ranks outside its group that compute on this rank's batch, this rank among them: its
     # tensor-parallel peers (() when none), along the meshes of the module's DTensor parameters.
     peers: tuple[int, ...] = ()
@@ -169,6 +177,8 @@ class WrapperForward(Hook):
 
     describe: DescribeForward
     inherited: bool = False
+    # A pipeline schedule's step: each rank runs its own layers (its stages), not its own batch.
+    layers: bool = False
     # Whether a communication hook chains its backward's collectives through futures (DDP's
     # register_comm_hook): each rank's thread then sees as many of them as their timing allows,
     # so they are no exchange points until the next optimizer step.
@@ -178,6 +188,10 @@ class WrapperForward(Hook):
         "peers; its backward too, until the optimizer step"
     )
     reason: ClassVar[Reason | None] = Reason.OWN_BATCH
+
+    @property
+    def opens(self) -> Reason | None:
+        return Reason.OWN_LAYERS if self.layers else Reason.OWN_BATCH
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

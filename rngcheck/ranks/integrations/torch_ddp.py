@@ -2,8 +2,9 @@
 forward and backward draw (dropout, drop-path, a checkpoint's recompute) is the rank's own across
 the group, and compared among its tensor-parallel peers. It broadcasts the module's states from
 rank 0 as it is built (unless ``init_sync=False``): the parameters' initialisations are then
-overwritten, and not compared. A communication hook registered in Python chains its backward's
-collectives through futures: they are no exchange points (``chains``)."""
+overwritten, and not compared; the parameters it holds whole on every rank of its group are
+compared by digest at the first step instead. A communication hook registered in Python chains
+its backward's collectives through futures: they are no exchange points (``chains``)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,21 @@ def _built(ddp: Any, bound: Any) -> Wrapper:
     buffers = args.get("broadcast_buffers") is not False
     held = states(module, buffers) if broadcasts else {}
     return Wrapper(
-        kind=_KIND, ranks=ranks, broadcasts=broadcasts, peers=peers(module, ranks), **held
+        kind=_KIND,
+        ranks=ranks,
+        broadcasts=broadcasts,
+        replicates=True,
+        peers=peers(module, ranks),
+        **held,
     )
 
 
 def _running(ddp: Any) -> Wrapper:
     """One built before the mode: its group is all that matters now."""
     ranks = group_ranks(read(ddp, "process_group"))
-    return Wrapper(kind=_KIND, ranks=ranks, peers=peers(read(ddp, "module"), ranks))
+    return Wrapper(
+        kind=_KIND, ranks=ranks, replicates=True, peers=peers(read(ddp, "module"), ranks)
+    )
 
 
 def _chains(ddp: Any) -> bool:

@@ -30,7 +30,6 @@ def _schedule(schedule: Any) -> Wrapper | None:
     return Wrapper(
         kind=type(schedule).__name__,
         ranks=group_ranks(read(stages[0], "group")),
-        pipeline=True,
         stages=tuple(stages),
     )
 
@@ -50,12 +49,14 @@ register(
                 attribute="PipelineScheduleSingle.step",
                 label="a pipeline schedule",
                 describe=_schedule,
+                layers=True,
             ),
             WrapperForward(
                 module=_SCHEDULES,
                 attribute="PipelineScheduleMulti.step",
                 label="a pipeline schedule (several stages)",
                 describe=_schedule,
+                layers=True,
             ),
         ),
     )
