@@ -29,13 +29,13 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DistRun", "free_port", "run_scenarios", "scenario_mode"]
+__all__ = ["DistRun", "assert_compared", "compared", "free_port", "run_scenarios", "scenario_mode"]
 
 _REPO = Path(__file__).resolve().parent.parent
 _COLLECTIVE_TIMEOUT_S = 60  # the training group's own timeout inside workers
@@ -54,6 +54,44 @@ def scenario_mode(**kwargs: Any) -> Any:
     kwargs.setdefault("timeout", 30.0)
     kwargs.setdefault("on_finding", "record")
     return rngcheck.RNGConsistencyMode(console=console, **kwargs)
+
+
+def compared(report: Any) -> dict[str, Any] | None:
+    """What a mode's rank checker compared across the ranks and what it left uncompared, by
+    reason (``report.meta["rank_compared"]``), for a scenario's summary; None where no rank
+    checker ran. A quiet test asserts on it: a check that compared nothing is quiet too."""
+    found = report.meta.get("rank_compared")
+    return dict(found) if found is not None else None
+
+
+def assert_compared(
+    found: dict[str, Any] | None,
+    rank: int,
+    *,
+    not_compared: Mapping[str, int] | None = None,
+    **at_least: int,
+) -> None:
+    """What one rank compared across the ranks (a summary's ``compared``), beside "no findings":
+    at least ``at_least[kind]`` rows of each kind named (``by_state=3``: three rows compared by
+    state; also by_what_runs, as_calls, among_peers, must_differ, initialisations,
+    initialisations_broadcast, step_rounds), and, where ``not_compared`` is given, the random
+    ops left uncompared for those reasons alone, at least so many for each (``{"own_batch":
+    3}``). A check that compared nothing is quiet, and so is one that exempts what it should
+    compare: this tells them from a correct run."""
+    from rngcheck.ranks.verdict import Reason
+
+    assert found is not None, f"rank {rank}: no rank checker ran"
+    for kind, least in at_least.items():
+        assert kind != "not_compared" and kind in found, f"rank_compared has no count {kind!r}"
+        assert found[kind] >= least, f"rank {rank}: {kind} {found[kind]} < {least}: {found}"
+    if not_compared is None:
+        return
+    reasons = {r.value for r in Reason} | {"among_peers_only"}
+    assert set(not_compared) <= reasons, f"no such reason: {set(not_compared) - reasons}"
+    exempted = found["not_compared"]
+    assert set(exempted) == set(not_compared), f"rank {rank}: not compared {exempted}"
+    for reason, least in not_compared.items():
+        assert exempted[reason] >= least, f"rank {rank}: {reason} < {least}: {exempted}"
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import launch_past_exit_aborts, scenario_mode
+from _dist import assert_compared, compared, launch_past_exit_aborts, scenario_mode
 from _recompute_util import marked_line
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -52,6 +52,7 @@ def _summary(mode: Any, **extra: Any) -> dict[str, Any]:
         ],
         "notes": [n.message for n in report.notes],
         "random_ops": report.random_ops,
+        "compared": compared(report),
         **extra,
     }
 
@@ -1646,32 +1647,84 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "hf_ddp_same_seed_per_rank_data",
-        "hf_ddp_seed_plus_rank",
-        "ddp_dropout_masks_differ",
-        "ddp_seed_plus_rank_model_moved_before_wrapping",
-        "ddp_built_with_keywords",
-        "ddp_per_rank_generator_variable_lengths",
-        "ddp_per_rank_generator_extra_draw",
-        "ddp_seed_plus_rank_crops_on_the_default_generator",
-        "ddp_dynamic_padding_under_dropout",
-        "ddp_sharded_order_from_a_generator_of_its_own",
-        "ddp_dispatched_batches_read_on_one_rank",
-        "ddp_streamed_order_from_the_datasets_generator",
-        "ddp_collator_masks_each_ranks_own_batch",
-        "fully_shard_same_seed_dropout",
-        "ddp_data_split_with_a_generator_of_its_own",
-        "ddp_data_split_on_a_default_generator_seeded_alike",
-        "ddp_rank0_splits_alone_from_a_per_rank_stream",
-    ],
-)
+# What each correct run compares across the ranks, beside what it leaves uncompared and why
+# (each rank's meta rank_compared: at least so many, for those reasons alone, see
+# _dist.assert_compared), and the per-rank stream its notes name (not counted there).
+
+
+def _ddp(own_batch: int, **at_least: int) -> dict[str, Any]:
+    """DDP over a Linear with dropout: its weight and bias broadcast, the dropout of its forward
+    at ``own_batch`` steps each rank's own; ``at_least`` compared beside."""
+    own = {"own_batch": own_batch}
+    return {**at_least, "initialisations_broadcast": 2, "not_compared": own}
+
+
+QUIET: dict[str, tuple[dict[str, Any], str]] = {
+    # Nothing replicated is drawn: DDP broadcasts GPT-2's initialisations, its dropout is each
+    # rank's own, and the data comes from a generator seeded per rank.
+    "hf_ddp_same_seed_per_rank_data": (
+        {"initialisations_broadcast": 1, "not_compared": {"own_batch": 1}},
+        "Generator #1 (cpu)",
+    ),
+    # The three batches' tokens, each from a generator _hf.batch seeds alike on every rank.
+    "hf_ddp_seed_plus_rank": (
+        {"by_state": 3, "initialisations_broadcast": 1, "not_compared": {"own_batch": 1}},
+        "default cpu",
+    ),
+    # Nothing replicated is drawn: the inputs come from the default generator seeded per rank.
+    "ddp_dropout_masks_differ": (_ddp(3), "default cpu"),
+    # Nothing replicated is drawn (see test_a_model_moved_before_wrapping_is_still_known_...).
+    "ddp_seed_plus_rank_model_moved_before_wrapping": (_ddp(2), ""),
+    # DistributedDataParallel(module=...) is known: its model's initialisations are broadcast
+    # (nothing else is drawn).
+    "ddp_built_with_keywords": ({"initialisations_broadcast": 2, "not_compared": {}}, ""),
+    # The shuffle every rank draws from a generator seeded alike, at each of the 3 steps.
+    "ddp_per_rank_generator_variable_lengths": (_ddp(3, by_state=3), "Generator #1 (cpu)"),
+    "ddp_per_rank_generator_extra_draw": (_ddp(3, by_state=3), "Generator #1 (cpu)"),
+    "ddp_seed_plus_rank_crops_on_the_default_generator": (_ddp(3, by_state=3), "default cpu"),
+    # The first epoch's DataLoader seed, before the dropout of 4 steps moved its generator apart.
+    "ddp_dynamic_padding_under_dropout": (_ddp(4, by_state=1), ""),
+    # The two epochs' orders from the sampler's generator, and the first DataLoader seed.
+    "ddp_sharded_order_from_a_generator_of_its_own": (_ddp(4, by_state=3), ""),
+    # The first pass's DataLoader seed, which every rank draws (rank 0 alone reads the batches:
+    # see test_batches_one_rank_reads_for_every_rank_are_its_own_and_said).
+    "ddp_dispatched_batches_read_on_one_rank": (
+        {"by_state": 1, "initialisations_broadcast": 2},
+        "",
+    ),
+    # The two passes' orders from the dataset's own generator, and the first DataLoader seed.
+    "ddp_streamed_order_from_the_datasets_generator": (_ddp(4, by_state=3), ""),
+    # The two epochs' orders of torch's DistributedSampler and the first DataLoader seed; the
+    # collator's masks over each rank's 2 batches an epoch are its own (DDP was built before the
+    # mode: no initialisation to broadcast).
+    "ddp_collator_masks_each_ranks_own_batch": (
+        {"by_state": 3, "not_compared": {"own_share": 4}},
+        "",
+    ),
+    # fully_shard broadcasts nothing: the Linear's two initialisations are compared at the
+    # first step.
+    "fully_shard_same_seed_dropout": (
+        {"initialisations": 2, "not_compared": {"own_batch": 2}},
+        "Generator #1 (cpu)",
+    ),
+    # The split and the two epochs' orders of torch's DistributedSampler.
+    "ddp_data_split_with_a_generator_of_its_own": (_ddp(4, by_state=3), "default cpu"),
+    "ddp_data_split_on_a_default_generator_seeded_alike": (_ddp(4, by_state=3), ""),
+    # Nothing replicated is drawn: rank 0's split comes from its per-rank stream.
+    "ddp_rank0_splits_alone_from_a_per_rank_stream": (_ddp(3), "default cpu"),
+}
+
+
+@pytest.mark.parametrize("name", list(QUIET))
 def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
+    expected, per_rank = QUIET[name]
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
+        assert_compared(r["compared"], rank, **expected)
+        if per_rank:  # (a per-rank stream's draws are said in a note, not counted)
+            said = f"not compared: {per_rank} is seeded differently on each rank"
+            assert said in "\n".join(r["notes"]), (rank, r["notes"])
 
 
 @pytest.mark.parametrize(
@@ -1704,6 +1757,14 @@ def test_strict_learns_nothing_and_finds_every_such_difference(two: Any) -> None
         for rank, r in two.ok(name).items():
             assert not r["findings"], (name, rank, r["findings"])
             assert learnt in "\n".join(r["notes"]), (name, rank, r["notes"])
+    # The noise line's 4 draws, the one it was learnt from included, are left uncompared as
+    # drawn with each rank's own arguments (a per-rank stream is said in a note, not counted).
+    for rank, r in two.ok("ddp_noise_over_each_ranks_own_shapes").items():
+        assert r["compared"]["not_compared"]["own_arguments"] == 4, (rank, r["compared"])
+    learnt_reasons = {"per_rank_seed", "own_arguments", "own_count"}
+    for name in ("ddp_seed_plus_rank_crops_strict", "ddp_noise_over_each_ranks_own_shapes_strict"):
+        for rank, r in two.ok(name).items():
+            assert not learnt_reasons & set(r["compared"]["not_compared"]), (rank, r["compared"])
     for rank, r in two.ok("ddp_seed_plus_rank_crops_strict").items():
         assert len(r["findings"]) == 1, (rank, r["findings"], r["notes"])
         f = r["findings"][0]
@@ -1854,6 +1915,9 @@ def test_an_order_drawn_apart_between_samples_is_found_at_the_step_level(two: An
     own = two.ok("ddp_sharded_order_from_a_generator_of_its_own_at_the_step_level")
     for rank, r in own.items():
         assert not r["findings"] and r["level"]["data_passes_compared"] == 1, (rank, r)
+        # The first pass's DataLoader seed and order, drawn at a sampled step (the second
+        # pass's are in the step digests); the dropout of the two sampled steps is its own.
+        assert_compared(r["compared"], rank, by_state=2, not_compared={"own_batch": 2})
     assert _partitions(own, 0) and _partitions(own, 1)
 
 
@@ -1995,6 +2059,9 @@ def test_batches_one_rank_reads_for_every_rank_are_its_own_and_said(two: Any) ->
         "DataLoaderDispatcher (the other ranks receive the batches by broadcast)"
     ) in notes[0], notes[0]
     assert "drew alone" not in notes[1], notes[1]
+    # Rank 0 drew the jitter of every rank's 8 samples each epoch, and the shuffles, alone.
+    assert results[0]["compared"]["not_compared"]["read_alone"] >= 16, results[0]["compared"]
+    assert "read_alone" not in results[1]["compared"]["not_compared"], results[1]["compared"]
     for text in notes.values():
         assert (
             "not compared by state: default cpu after the ranks drew different amounts from it "
@@ -2052,6 +2119,14 @@ def test_noise_drawn_for_each_ranks_own_batch_shape_is_the_ranks_own(two: Any) -
                 "it at test_data_parallel.py:"
             ) in text, text
             assert "aten.randn_like.default with arguments of each rank's own" in text, text
+            # The noise of the 4 steps is the ranks' own; the timesteps after the first, from
+            # the generator it moved apart, are compared by what runs.
+            assert_compared(
+                r["compared"],
+                rank,
+                by_what_runs=3,
+                not_compared={"own_batch": 4, "own_arguments": 4},
+            )
     for rank, r in two.ok("ddp_noise_over_each_ranks_own_shapes").items():
         assert r["digest"] == r["plain"], rank
         assert "float32[2, 2, 4, 4] on rank 0; float32[2, 2, 4, 6] on rank 1" in "\n".join(
@@ -2124,6 +2199,14 @@ def test_a_loop_over_each_ranks_own_data_is_the_ranks_own(two: Any) -> None:
                 len(counted) == 1 and f"drawn at test_data_parallel.py:{jitter} " in (counted[0])
             ), counted
             assert f"at test_data_parallel.py:{jitter}, aten.randn.default, which rank 1" in text
+            # The jitter of every box (2 to 4 a step) at the 4 steps, at least, followed op by
+            # op is the ranks' own; the scale drawn after the loop is compared by what runs.
+            assert_compared(
+                r["compared"],
+                rank,
+                by_what_runs=3,
+                not_compared={"own_batch": 4, "own_count": 8},
+            )
     for rank, r in two.ok("ddp_jitter_for_each_of_its_own_boxes").items():
         assert r["digest"] == r["plain"], rank
 
@@ -2198,6 +2281,11 @@ def test_what_is_not_compared_is_said_in_the_report(two: Any) -> None:
 def test_a_model_moved_before_wrapping_is_still_known_as_broadcast(two: Any) -> None:
     results = two.ok("ddp_seed_plus_rank_model_moved_before_wrapping")
     for rank, r in results.items():
+        # Nothing is compared across the ranks here, by design: the initialisations are DDP's
+        # to broadcast and the dropout is each rank's own; nothing else is drawn.
+        compared = r["compared"]
+        assert compared["initialisations_broadcast"] == 2, (rank, compared)
+        assert compared["by_state"] == compared["by_what_runs"] == 0, (rank, compared)
         text = "\n".join(r["notes"])
         # Both of nn.Linear's initialisations (weight and bias), though moved to new storage.
         assert "not compared: 2 parameter initialisation(s); DistributedDataParallel" in text, (
@@ -2251,6 +2339,10 @@ def test_deepspeed_is_data_parallel_and_broadcasts_the_model(
         assert "in the forward and backward of DeepSpeedEngine over ranks 0-1" in text
         assert f"4 parameter initialisation(s); {broadcast_by} broadcast" in text, r["notes"]
         assert "Generator #1 (cpu) is seeded differently on each rank" in text
+        # (nothing replicated is drawn: the data and the shuffles are per-rank streams)
+        assert_compared(
+            r["compared"], rank, initialisations_broadcast=4, not_compared={"own_batch": 3}
+        )
     assert len({r["digest"] for r in results.values()}) == 1
 
 
@@ -2286,6 +2378,16 @@ def test_zero3_parameters_one_rank_initialises_for_a_broadcast_are_its_own(two: 
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "while rank 0 drew inside a deepspeed GatheredParameters region broadcast by it"
         ) in notes, notes
+        # Rank 0's 4 initialisations in the region are its own; the shuffles of the second and
+        # third steps are compared by what runs; zero.Init broadcast the model's 4.
+        inside = {"broadcast": 4} if rank == 0 else {}
+        assert_compared(
+            r["compared"],
+            rank,
+            by_what_runs=2,
+            initialisations_broadcast=4,
+            not_compared={**inside, "own_batch": 3},
+        )
     results = two.ok("deepspeed_zero3_initialised_on_rank0_not_broadcast")
     # What the finding is about: rank 0's initialisation was dropped (the weights are those
     # zero.Init made, the same everywhere), and rank 0 drew from the default generator alone.
@@ -2313,6 +2415,9 @@ def test_sampling_with_generate_on_the_wrapped_module_is_each_ranks_own(two: Any
                 "wraps (data-parallel: each rank samples for its own inputs)"
             )
             assert (generated in notes) == (rank == 0 or name.endswith("every_rank")), notes
+            sampled = rank == 0 or name.endswith("every_rank")
+            exempted = {"own_batch": 1, **({"own_samples": 1} if sampled else {})}
+            assert_compared(r["compared"], rank, not_compared=exempted)
     for r in two.ok("hf_ddp_generate_on_rank0").values():
         assert (
             "not compared by state: default cpu after the ranks drew different amounts from it "
@@ -2342,6 +2447,17 @@ def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
         assert f"test_data_parallel.py:{line}" in f["frames"], f["frames"]
     for rank, r in two.ok("hf_ddp_reference_model_generates_on_rank0_forked").items():
         assert r["findings"] == [], (rank, r["findings"])
+        # The reference model's initialisations (no wrapper broadcasts them) are compared at
+        # the first step, and so are the shuffle and the two batches after rank 0 sampled in a
+        # fork of the generator. (What it sampled under expect("ignore") is not counted.)
+        assert_compared(
+            r["compared"],
+            rank,
+            by_state=3,
+            initialisations=1,
+            initialisations_broadcast=1,
+            not_compared={"own_batch": 1},
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2359,7 +2475,9 @@ def _script_env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["python", "torchrun"])
-def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(ranks: int) -> None:
+def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(
+    ranks: int, tmp_path: Any
+) -> None:
     import os
     import subprocess
     from pathlib import Path
@@ -2370,13 +2488,21 @@ def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(ranks: int) -
     else:
         torchrun = str(Path(sys.executable).parent / "torchrun")
         args = [torchrun, "--standalone", f"--nproc-per-node={ranks}", script]
-    r = subprocess.run(
-        args, env=_script_env(), capture_output=True, text=True, timeout=240, cwd=os.getcwd()
-    )
+    env = {**_script_env(), "RNGCHECK_REPORT": str(tmp_path)}
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240, cwd=os.getcwd())
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("training finished") == ranks
     where = f" on rank 0 of {ranks}" if ranks > 1 else ""
     assert f"random op(s) checked{where}, no findings" in r.stderr, r.stderr[-2000:]
+    if ranks == 1:  # Nothing is compared across ranks, by design: one process, no rank checker.
+        report = json.loads((tmp_path / "rank0.json").read_text())
+        assert "rank_compared" not in report["meta"], report["meta"]
+        return
+    # Nothing replicated is drawn (seed + rank, per-rank data): DDP broadcasts GPT-2's
+    # initialisations, and its dropout is each rank's own.
+    for rank, found in _saved_compared(tmp_path).items():
+        exempted = {"own_batch": 1}
+        assert_compared(found, rank, initialisations_broadcast=1, not_compared=exempted)
 
 
 def _torchrun_script(name: str, out: Any, **env: str) -> dict[str, Any]:
@@ -2443,10 +2569,16 @@ def test_hugging_face_trainers_group_by_length_order_is_found_and_its_workaround
     assert shuffle and shuffle[-1]["filename"].endswith("trainer_pt_utils.py"), f["stack"]
     assert f["cause"].startswith("accelerate's BatchSamplerShard splits one order"), f["cause"]
     assert "use_seedable_sampler" in f["cause"]
-    fixed = _trainer_run(tmp_path / "fixed", SEEDABLE_SAMPLER="0", **env)
+    reports = tmp_path / "fixed-reports"
+    fixed = _trainer_run(
+        tmp_path / "fixed", SEEDABLE_SAMPLER="0", RNGCHECK_REPORT=str(reports), **env
+    )
     assert "random op(s) checked on rank 0 of 2, no findings" in fixed["stderr"], fixed["stderr"][
         -3000:
     ]
+    for rank, found in _saved_compared(reports).items():  # (the order among them, by state)
+        exempted = {"own_batch": 1}
+        assert_compared(found, rank, by_state=1, initialisations_broadcast=1, not_compared=exempted)
     assert _shares_partition(fixed, 0) and _shares_partition(fixed, 1)
     # At the step level the second epoch's shuffle is drawn at step 3, between samples (no
     # dispatch mode, and a default generator the step digests leave out): the first batch of a
@@ -2492,6 +2624,13 @@ def _quiet_and_unchanged(tmp_path: Any, script: str, **env: str) -> tuple[dict[s
     return plain, "\n".join(n["message"] for n in report["notes"])
 
 
+def _saved_compared(reports: Any) -> dict[int, Any]:
+    """What each rank of a checked run compared across the ranks: its report's meta
+    rank_compared, saved in ``reports`` (``tmp_path/"reports"`` for _quiet_and_unchanged)."""
+    saved = {r: json.loads((reports / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return {r: report["meta"].get("rank_compared") for r, report in saved.items()}
+
+
 def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_unchanged(
     tmp_path: Any,
 ) -> None:
@@ -2500,6 +2639,9 @@ def test_hugging_face_trainer_dispatching_an_iterable_dataset_is_quiet_and_uncha
     drawing its shuffle) and broadcasting every rank's batch. Correct, so quiet (it was "rank 0
     ran an extra random op"), and it trains bitwise as it does without rngcheck."""
     plain, notes = _trainer_quiet_and_unchanged(tmp_path, ITERABLE="1")
+    for rank, found in _saved_compared(tmp_path / "reports").items():  # rank 0 read alone
+        exempted = {"own_batch": 1, **({"read_alone": 1} if rank == 0 else {})}
+        assert_compared(found, rank, by_state=1, initialisations_broadcast=1, not_compared=exempted)
     seen = [json.loads(plain["results"][r])["seen"] for r in (0, 1)]
     assert sorted(seen[0][:16]) == list(range(16)) and seen[1] == [], seen  # rank 0 reads all
     assert (
@@ -2525,6 +2667,9 @@ def test_hugging_face_trainer_resumed_from_a_checkpoint_is_quiet_and_unchanged(
     _, notes = _trainer_quiet_and_unchanged(
         tmp_path, TRAIN_STEPS="6", RESUME=str(original / "checkpoint-4")
     )
+    for rank, found in _saved_compared(tmp_path / "reports").items():
+        exempted = {"own_batch": 1}
+        assert_compared(found, rank, by_state=1, initialisations_broadcast=1, not_compared=exempted)
     assert (
         "not compared by state: default cpu after each rank restored a state of its own into it "
         "(torch.random.set_rng_state(<state>) at trainer.py:"
@@ -2540,6 +2685,9 @@ def test_hugging_face_trainer_masked_language_modelling_is_quiet_and_unchanged(
     data_collator.py with different arguments"), and bitwise as without rngcheck."""
     plain, notes = _trainer_quiet_and_unchanged(tmp_path, MLM="1")
     assert _shares_partition(plain, 0) and _shares_partition(plain, 1)
+    for rank, found in _saved_compared(tmp_path / "reports").items():  # the masks: own share
+        exempted = {"own_share": 1, "own_batch": 1}
+        assert_compared(found, rank, by_state=1, initialisations_broadcast=1, not_compared=exempted)
     assert (
         "random op(s) drawn while loading rank 0's own share of the data, split among the ranks "
         "by accelerate's BatchSamplerShard"
@@ -2552,6 +2700,9 @@ def test_hugging_face_trainer_under_deepspeed_zero3_is_quiet_and_unchanged(tmp_p
     broadcasts it. Correct, so quiet (it was "rank 0 ran an extra random op" at the first
     initialisation), and bitwise as without rngcheck."""
     _, notes = _trainer_quiet_and_unchanged(tmp_path, ZERO="3")
+    for rank, found in _saved_compared(tmp_path / "reports").items():  # rank 0's init: broadcast
+        exempted = {"own_batch": 1, **({"broadcast": 1} if rank == 0 else {})}
+        assert_compared(found, rank, by_state=1, not_compared=exempted)
     assert (
         "random op(s) drawn inside a deepspeed GatheredParameters region broadcast by rank 0: "
         "the parameters it gathered are rank 0's as it exits"
@@ -2588,6 +2739,11 @@ def test_hugging_face_tensor_parallel_training_is_quiet_and_unchanged(two: Any) 
         checked = r["checked"]
         assert not checked["findings"], (rank, checked["findings"])
         assert checked["random_ops"] > 0
+        # Every random op is compared by state: the peers hold the activations whole, and no
+        # data-parallel wrapper makes any draw a rank's own.
+        compared = checked["compared"]
+        assert compared["by_state"] == checked["random_ops"], (rank, compared)
+        assert compared["not_compared"] == {}, (rank, compared)
         assert checked["losses"] == r["plain"]["losses"], rank
         assert checked["parameters"] == r["plain"]["parameters"], rank
     assert results[0]["plain"]["parameters"] == results[1]["plain"]["parameters"]
@@ -2617,6 +2773,8 @@ def test_hugging_face_predict_sampling_on_every_rank_is_quiet_and_unchanged(
     bitwise as without rngcheck."""
     _quiet_and_unchanged(tmp_path, "predict_hf_seq2seq.py")
     reports = tmp_path / "reports"
+    for rank, found in _saved_compared(reports).items():  # generate() as calls; what it samples
+        assert_compared(found, rank, as_calls=1, not_compared={"sampling": 1})
     counts = []
     for rank in (0, 1):
         notes = [
@@ -2666,6 +2824,8 @@ def test_a_streaming_dataset_split_by_node_is_each_ranks_own_share(tmp_path: Any
     here fail to build a dataset on Python 3.11): where it is installed, this runs."""
     pytest.importorskip("datasets")
     _, notes = _quiet_and_unchanged(tmp_path, "train_hf_datasets_streaming.py")
+    for rank, found in _saved_compared(tmp_path / "reports").items():  # the masks: own share
+        assert found is not None and found["not_compared"].get("own_share", 0) > 0, (rank, found)
     assert (
         "random op(s) drawn while loading rank 0's own share of the data, split among the ranks "
         "by Hugging Face datasets' split_dataset_by_node"
@@ -2677,6 +2837,10 @@ def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:
     does), with per-rank batch lengths under dropout: patched as its import ends, so its
     forward's random ops are known as data-parallel from the first step."""
     _, notes = _quiet_and_unchanged(tmp_path, "train_fsdp_late_import.py")
+    for rank, found in _saved_compared(tmp_path / "reports").items():
+        # FSDP broadcasts nothing here: the model's 4 initialisations, compared at the first
+        # step; FSDP's dropout, each rank's own.
+        assert_compared(found, rank, initialisations=4, not_compared={"own_batch": 1})
     assert "in the forward and backward of FullyShardedDataParallel over ranks 0-1" in notes
 
 
@@ -2695,6 +2859,9 @@ def test_hugging_face_trainer_under_torchrun_is_quiet_and_unchanged(tmp_path: An
         "stderr"
     ][-3000:]
     assert checked["results"] == plain["results"]
+    for rank, found in _saved_compared(tmp_path / "reports").items():
+        exempted = {"own_batch": 1}
+        assert_compared(found, rank, by_state=1, initialisations_broadcast=1, not_compared=exempted)
     if level == "op":
         report = json.loads((tmp_path / "reports" / "rank0.json").read_text())
         notes = "\n".join(n["message"] for n in report["notes"])
@@ -2720,10 +2887,18 @@ def test_an_optimizer_one_rank_steps_alone_does_not_take_the_lead(two: Any, name
     c10d.allreduce_"), and at the step level gloo aborted the job (rngcheck's own collectives no
     longer matched in size). An optimizer of no data-parallel wrapper's parameters does not
     take the lead from one that trains them."""
+    steps = 24 if name.endswith("alone") else 2  # (the op level's steps; the step level's sampled)
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
+        # Nothing replicated is drawn: the data comes from a per-rank stream, and rank 0's probe
+        # is declared its own (what it draws under expect("ignore") is not counted). So what
+        # the check stands on: DDP's dropout at every step the mode followed op by op, each
+        # rank's own, and the model's 4 initialisations, broadcast.
+        assert_compared(
+            r["compared"], rank, initialisations_broadcast=4, not_compared={"own_batch": steps}
+        )
 
 
 @pytest.mark.parametrize(
@@ -2745,6 +2920,8 @@ def test_ranks_that_end_at_different_step_counts_leave_a_note_not_an_abort(
         assert not r["findings"], (rank, r["findings"])
         text = "\n".join(r["notes"])
         assert f"different numbers of training steps ({counts} exchanged" in text, text
+        # The inputs of the 2 sampled steps, compared by state; their dropout is each rank's own.
+        assert_compared(r["compared"], rank, by_state=2, not_compared={"own_batch": 2})
 
 
 def test_which_optimizer_leads_does_not_depend_on_garbage_collection(two: Any) -> None:
@@ -2756,6 +2933,14 @@ def test_which_optimizer_leads_does_not_depend_on_garbage_collection(two: Any) -
     for rank, r in two.ok("ddp_then_a_head_on_every_rank_collected_on_rank0").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
+        # The head's dropout at its 20 steps (2 a step), unwrapped: compared by state.
+        assert_compared(
+            r["compared"],
+            rank,
+            by_state=40,
+            initialisations_broadcast=2,
+            not_compared={"own_batch": 4},
+        )
 
 
 def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> None:
@@ -2768,6 +2953,12 @@ def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> N
         for summary in (r, r["step_level"], r["warm"]):
             assert summary["findings"] == [], (rank, summary["findings"])
         assert r["digest"] == r["plain"], rank
+        # Q for the model's two weight matrices at each of the 4 compressed steps, by state; the
+        # draw after the sixth step, by what runs (the first, after the third, found the
+        # generator apart); the dropout of the 6 steps is each rank's own.
+        assert_compared(
+            r["compared"], rank, by_state=8, by_what_runs=1, not_compared={"own_batch": 6}
+        )
         # The note on randomness in backward names the hook, not a possible redraw of dropout.
         text = "\n".join(r["notes"])
         assert "random op(s) in backward were drawn by torch's PowerSGD hook" in text, text
@@ -2801,3 +2992,8 @@ def test_a_comm_hooks_collectives_are_no_exchange_points(two: Any) -> None:
     for rank, r in two.ok("ddp_comm_hook_collective_runs_inline_on_one_rank").items():
         assert r["findings"] == [], (rank, r["findings"])
         assert r["digest"] == r["plain"], rank
+        # Nothing replicated is drawn (the data comes from a per-rank stream): the teacher's
+        # initialisations are its DDP's to broadcast, and the dropout of the 4 steps is its own.
+        assert_compared(
+            r["compared"], rank, initialisations_broadcast=2, not_compared={"own_batch": 4}
+        )

@@ -12,9 +12,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from _dist import launch_past_exit_aborts
+from _dist import assert_compared, launch_past_exit_aborts
 
 from rngcheck.core.config import RANGES, Config
 from rngcheck.core.findings import Finding
@@ -354,6 +355,9 @@ def test_torchrun_single_rank_binds_to_the_process_group(tmp_path: Path) -> None
         "world_size": 1,
         "bound_after_step": 0,
     }
+    # Nothing is compared across ranks, by design: a group of one rank has no other to compare
+    # with, and no rank checker starts.
+    assert "rank_compared" not in report.meta, report.meta
 
 
 def _skip_until_ranks_land(r: subprocess.CompletedProcess[str]) -> None:
@@ -409,7 +413,17 @@ def test_a_data_split_before_init_process_group_is_compared_once_the_group_is_up
         apart[0]["seen"]
     )
     for rank in (0, 1):
-        assert Report.load(tmp_path / "reports11" / f"rank{rank}.json").ok
+        quiet = Report.load(tmp_path / "reports11" / f"rank{rank}.json")
+        assert quiet.ok
+        # The split (drawn before the group was up, adopted at the first exchange) and the
+        # sampler's two orders, by state; DDP's broadcast and its dropout at the 4 steps.
+        assert_compared(
+            quiet.meta["rank_compared"],
+            rank,
+            by_state=3,
+            initialisations_broadcast=2,
+            not_compared={"own_batch": 4},
+        )
         (f,) = Report.load(tmp_path / "reports01" / f"rank{rank}.json").findings
         assert f.op == "aten.randperm.generator" and f.site == _line(
             "split_before_init.py", "random_split("
@@ -436,6 +450,18 @@ def test_steps_before_init_process_group_leave_the_late_checker_at_the_step_leve
         assert meta["level"]["steps"] >= 20 and meta["level"]["op_level"] == ["1-2"], meta
         # (26 when the new checker was left checking op by op: one exchange at every step)
         assert meta["rank_exchange"]["exchanges"] < 5, meta["rank_exchange"]
+        # Nothing is compared op by op across the ranks, by design: the sampled steps (1-2) were
+        # the warm-up's, before the process group existed; the DDP training is compared by the
+        # step digests alone.
+        compared = meta["rank_compared"]
+        assert compared["by_state"] == compared["by_what_runs"] == 0, compared
+        assert compared["not_compared"] == {}, compared
+
+
+# What train_clean.py's ranks compare: the inputs of its 4 steps by state (the same seed on
+# every rank), DDP's broadcast of the Block's 2 initialisations; the dropout of DDP's forward
+# and of its checkpoint recompute in backward is each rank's own.
+_TRAIN_CLEAN = {"by_state": 4, "initialisations_broadcast": 2, "not_compared": {"own_batch": 8}}
 
 
 @pytest.mark.slow
@@ -450,6 +476,8 @@ def test_torchrun_two_ranks_clean_and_buggy(tmp_path: Path) -> None:
     assert r.stdout.count("training finished") == 2
     reports = [Report.load(clean / f"rank{i}.json") for i in range(2)]
     assert all(rep.ok and rep.world_size == 2 for rep in reports)
+    for rank, rep in enumerate(reports):
+        assert_compared(rep.meta["rank_compared"], rank, **_TRAIN_CLEAN)
     assert reports[0].meta["run_id"] == reports[1].meta["run_id"]
     assert cli_main(["show", str(clean)]) == 0
     # Replicas draw the same random numbers: their traces are the same, op for op.
@@ -488,7 +516,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _assert_two_ranks_checked(r: subprocess.CompletedProcess[str], reports: Path) -> None:
+def _assert_two_ranks_checked(
+    r: subprocess.CompletedProcess[str], reports: Path, **compared: Any
+) -> None:
+    """Two ranks checked, quiet, each saving a report; each rank compared what ``compared``
+    says (_dist.assert_compared)."""
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("training finished") == 2, r.stdout[-2000:]
     assert "random op(s) checked on rank 0 of 2, no findings" in r.stderr, r.stderr[-3000:]
@@ -497,6 +529,8 @@ def _assert_two_ranks_checked(r: subprocess.CompletedProcess[str], reports: Path
     assert [(rep.rank, rep.world_size, rep.ok) for rep in saved] == [(0, 2, True), (1, 2, True)]
     assert saved[0].meta["run_id"] == saved[1].meta["run_id"]  # one run for `rngcheck show`
     assert all(rep.random_ops > 0 for rep in saved)
+    for rep in saved:
+        assert_compared(rep.meta.get("rank_compared"), rep.rank, **compared)
 
 
 @pytest.mark.slow
@@ -517,7 +551,7 @@ def test_ranks_started_by_other_launchers_are_checked(tmp_path: Path, launcher: 
         args = [str(bindir / "deepspeed"), "--num_accelerators=2", f"--master_port={port}", script]
         extra = {}
     r = _run(args, RNGCHECK="1", RNGCHECK_REPORT=str(tmp_path), **extra)
-    _assert_two_ranks_checked(r, tmp_path)
+    _assert_two_ranks_checked(r, tmp_path, **_TRAIN_CLEAN)
 
 
 def _lightning(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -562,7 +596,10 @@ def test_lightning_ranks_started_by_rank_0_are_checked_and_train_unchanged(tmp_p
         reports = tmp_path / f"reports{on}"
         r = _lightning(out, RNGCHECK=on, RNGCHECK_REPORT=str(reports), SPLIT="default")
         if on == "1":
-            _assert_two_ranks_checked(r, reports)
+            # The split in setup() and each epoch's order, by state; GPT-2's dropout in DDP's
+            # forward, each rank's own. (Its initialisations come before Lightning starts the
+            # process group, so before any rank checker: they are compared by no one.)
+            _assert_two_ranks_checked(r, reports, by_state=3, not_compared={"own_batch": 1})
         else:
             assert r.returncode == 0, r.stderr[-3000:]
         runs[on] = sorted(p.read_text() for p in out.iterdir())
@@ -630,6 +667,11 @@ def test_dataloader_workers_are_left_out_and_the_job_finishes(tmp_path: Path) ->
     # and dropout (2 epochs x 8 batches); the workers' torch.rand ran unchecked.
     expected = {"aten.uniform_.default": 2, "aten.random_.default": 2, "aten.bernoulli_.float": 16}
     assert [rep.ops_by_name for rep in reports] == [expected, expected]
+    # The dropout (outside the model, over batches alike) and the loader's seeds, by state;
+    # DDP's broadcast of the Linear's 2 initialisations.
+    for rank, rep in enumerate(reports):
+        compared = rep.meta["rank_compared"]
+        assert_compared(compared, rank, by_state=18, initialisations_broadcast=2, not_compared={})
 
 
 @pytest.mark.slow
@@ -740,6 +782,14 @@ def test_ranks_a_script_starts_itself_are_checked_and_train_unchanged(
         # Every random op of the ranks: the two Linears' init (before DDP's broadcast), then
         # per step the input, dropout and the target.
         assert all(rep.random_ops == 4 + 4 * 3 for rep in saved), [rep.ops_by_name for rep in saved]
+        for rep in saved:  # the inputs and targets by state; the init broadcast, dropout own
+            assert_compared(
+                rep.meta["rank_compared"],
+                rep.rank,
+                by_state=8,
+                initialisations_broadcast=4,
+                not_compared={"own_batch": 4},
+            )
         if launcher_draws:
             launcher = Report.load(reports / "launcher.json")
             assert (launcher.world_size, launcher.random_ops) == (1, 1)

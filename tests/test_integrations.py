@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_scenarios, scenario_mode
+from _dist import assert_compared, run_scenarios, scenario_mode
 
 from rngcheck.ranks import integrations
 from rngcheck.ranks.hooks import Hooks, resolve
@@ -290,6 +290,14 @@ def test_an_integration_registered_from_a_test_file_decides_its_draws(two: Any) 
     for rank, r in two.ok("unregistered_sampler").items():
         assert r["findings"] == [], (rank, r["findings"])
         assert "not compared by state: default cpu" in "\n".join(r["notes"]), r["notes"]
+        # The first epoch's shuffle, by state; DDP's dropout at the 8 steps, each rank's own.
+        assert_compared(
+            r["compared"],
+            rank,
+            by_state=1,
+            initialisations_broadcast=2,
+            not_compared={"own_batch": 8},
+        )
     for rank, r in two.ok("registered_sampler").items():
         assert len(r["findings"]) == 1, (rank, r["findings"])
         cause = r["findings"][0]["cause"]

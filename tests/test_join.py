@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import scenario_mode
+from _dist import assert_compared, compared, scenario_mode
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -93,6 +93,7 @@ def _scenario(rank: int, mode: dict[str, Any] | None = None, **train: Any) -> di
         ],
         "notes": [n.message for n in report.notes],
         "random_ops": report.random_ops,
+        "compared": compared(report),
         "bitwise": got["digest"] == plain["digest"],
         "raised": got["raised"],
         "plain_raised": plain["raised"],
@@ -181,24 +182,41 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
+# What the ranks compare (at least, each rank): the augmentation masks from the generator every
+# rank seeds alike, by state in the iterations every rank ran (the op level: the 4 of the first
+# epoch; the step level: those of its 2 sampled steps; beside the per-rank data generator's
+# first rows, from which it is learnt a per-rank stream), and, over two epochs at the op level,
+# by what runs in the second (rank 1's extra masks moved their generator apart); DDP broadcast the
+# model's 4 initialisations. The dropout is each rank's own, and so is what rank 1 draws once
+# rank 0 ran out of inputs (join), where the mode follows it op by op: at the step level only
+# when rank 0 has no batch in the first epoch (the sampled steps are then rank 1's alone).
+_MASKS = {"by_state": 4, "by_what_runs": 4}
+
+
 @pytest.mark.parametrize(
-    "name",
+    ("name", "masks", "join"),
     [
-        "uneven_inputs",
-        "uneven_inputs_at_the_step_level",
-        "uneven_inputs_synced_at_every_op",
-        "uneven_inputs_with_zero",
-        "uneven_inputs_accumulating_gradients",
-        "uneven_inputs_a_rank_with_none",
-        "uneven_inputs_a_rank_with_none_at_the_step_level",
+        ("uneven_inputs", _MASKS, True),
+        ("uneven_inputs_at_the_step_level", {"by_state": 2}, False),
+        ("uneven_inputs_synced_at_every_op", _MASKS, True),
+        ("uneven_inputs_with_zero", _MASKS, True),
+        ("uneven_inputs_accumulating_gradients", _MASKS, True),
+        ("uneven_inputs_a_rank_with_none", {"by_state": 2}, True),
+        ("uneven_inputs_a_rank_with_none_at_the_step_level", {"by_state": 2}, True),
     ],
 )
-def test_uneven_inputs_are_quiet_and_unchanged(two: Any, name: str) -> None:
+def test_uneven_inputs_are_quiet_and_unchanged(
+    two: Any, name: str, masks: dict[str, int], join: bool
+) -> None:
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert not r["raised"], (rank, r["raised"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
+        exempted = {"own_batch": 1, **({"join": 1} if join and rank == 1 else {})}
+        assert_compared(
+            r["compared"], rank, **masks, initialisations_broadcast=4, not_compared=exempted
+        )
 
 
 def test_over_three_ranks_two_run_on_after_one_ran_out(three: Any) -> None:
@@ -207,6 +225,12 @@ def test_over_three_ranks_two_run_on_after_one_ran_out(three: Any) -> None:
     for rank, r in three.ok("uneven_inputs").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["bitwise"], rank
+        # What ranks 1 and 2 drew after rank 0 ran out is their own (rank 2, which runs on
+        # after rank 1 ran out too, the most).
+        exempted = {"own_batch": 1, **({"join": 4 * rank} if rank else {})}
+        assert_compared(
+            r["compared"], rank, **_MASKS, initialisations_broadcast=4, not_compared=exempted
+        )
 
 
 def test_what_the_ranks_draw_after_one_ran_out_is_said(two: Any) -> None:
@@ -219,6 +243,11 @@ def test_what_the_ranks_draw_after_one_ran_out_is_said(two: Any) -> None:
     )
     assert said in notes[1], notes[1]
     assert said not in notes[0], notes[0]
+    # Counted too (join): what rank 1 drew once it knew rank 0 ran out, the mask and dropout of
+    # its last iteration each epoch at least.
+    compared = {rank: r["compared"] for rank, r in two.ok("uneven_inputs").items()}
+    assert compared[1]["not_compared"]["join"] >= 4, compared[1]
+    assert "join" not in compared[0]["not_compared"], compared[0]
     # The augmentation's generator, drawn more often on rank 1, is compared by what runs from
     # the next epoch on, and said so on every rank, naming the Join.
     for text in notes.values():
@@ -232,6 +261,11 @@ def test_a_join_that_throws_on_early_termination_raises_as_without_the_mode(two:
     for rank, r in two.ok("uneven_inputs_throwing_on_early_termination").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["raised"] and r["raised"] == r["plain_raised"], (rank, r)
+        # Compared up to the error: the masks of the iterations both ranks ran (one epoch).
+        exempted = {"own_batch": 1, **({"join": 1} if rank == 1 else {})}
+        assert_compared(
+            r["compared"], rank, by_state=4, initialisations_broadcast=4, not_compared=exempted
+        )
 
 
 def test_an_extra_draw_before_any_rank_ran_out_is_found_at_its_line(two: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import scenario_mode
+from _dist import assert_compared, compared, scenario_mode
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -155,6 +155,7 @@ def _scenario(
         ],
         "notes": [n.message for n in report.notes],
         "random_ops": report.random_ops,
+        "compared": compared(report),
         "bitwise": digest == plain,
     }
 
@@ -248,6 +249,7 @@ def fully_sharded_stages_over_four_ranks(rank: int, world: int) -> dict[str, Any
     return {
         "findings": [{"kind": f.kind.value, "cause": f.cause} for f in report.findings],
         "random_ops": report.random_ops,
+        "compared": compared(report),
         "bitwise": digest == plain,
     }
 
@@ -273,20 +275,35 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
+# What the stages compare (at least, each rank): the data every rank draws from the generator
+# it seeds alike, by state (the dataset's 2 draws, and each step's batch and target: at the 4
+# steps, or at the step level's 2 sampled steps; or each pass's DataLoader seed and order from
+# the generator given to it); stages built alike, their 19 initialisations at the first step.
+# What each rank's stages draw is their own: the dropout of their layers, and the
+# initialisations of stages built on the meta device (10 on rank 0, 9 on rank 1).
+_OWN_STAGES = {"stage_init": 9, "own_layers": 1}
+
+
 @pytest.mark.parametrize(
-    "name",
+    ("name", "compared"),
     [
-        "gpipe_stages_built_on_meta",
-        "one_f_one_b_cut_from_one_model",
-        "interleaved_at_the_step_level",
-        "gpipe_shuffled_from_a_shared_generator",
+        ("gpipe_stages_built_on_meta", {"by_state": 10, "not_compared": _OWN_STAGES}),
+        (
+            "one_f_one_b_cut_from_one_model",
+            {"by_state": 10, "initialisations": 19, "not_compared": {"own_layers": 1}},
+        ),
+        ("interleaved_at_the_step_level", {"by_state": 6, "not_compared": _OWN_STAGES}),
+        ("gpipe_shuffled_from_a_shared_generator", {"by_state": 7, "not_compared": _OWN_STAGES}),
     ],
 )
-def test_correct_pipeline_training_is_quiet_and_unchanged(two: Any, name: str) -> None:
+def test_correct_pipeline_training_is_quiet_and_unchanged(
+    two: Any, name: str, compared: dict[str, Any]
+) -> None:
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
+        assert_compared(r["compared"], rank, **compared)
 
 
 def test_what_each_stage_draws_is_said_as_its_own(two: Any) -> None:
@@ -299,6 +316,11 @@ def test_what_each_stage_draws_is_said_as_its_own(two: Any) -> None:
             text,
         )
         assert f"parameter initialisation(s) of pipeline stage {rank} of 2" in text, (rank, text)
+        # Stage 0's input layer and 4 blocks (10 initialisations); stage 1's 4 blocks and head
+        # (9); the dropout of its 4 blocks for the 4 microbatches of the 4 steps, at least.
+        exempted = r["compared"]["not_compared"]
+        assert exempted["stage_init"] == (10 if rank == 0 else 9), (rank, exempted)
+        assert exempted["own_layers"] >= 64, (rank, exempted)
 
 
 def test_a_rank_drawing_extra_data_is_found_at_its_line(two: Any) -> None:
@@ -362,6 +384,10 @@ def test_four_stages_send_and_receive_without_aligning_on_it(four: Any) -> None:
     for rank, r in four.ok("gpipe_over_four_stages").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["bitwise"], rank
+        # The data, by state, on every stage; each stage's one block (and the first's input
+        # layer, the last's head) its own.
+        exempted = {"stage_init": 2, "own_layers": 16}
+        assert_compared(r["compared"], rank, by_state=10, not_compared=exempted)
 
 
 def test_fully_sharded_stages_are_quiet_and_unchanged(four: Any) -> None:
@@ -373,3 +399,8 @@ def test_fully_sharded_stages_are_quiet_and_unchanged(four: Any) -> None:
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
+        # The dataset's 2 draws and the DistributedSampler's order of each epoch, by state on
+        # all 4 ranks; each stage's initialisations its own, and the dropout of fully_shard's
+        # forward each data-parallel replica's own (its own share of the data).
+        exempted = {"stage_init": 5, "own_batch": 1}
+        assert_compared(r["compared"], rank, by_state=4, not_compared=exempted)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import scenario_mode
+from _dist import assert_compared, compared, scenario_mode
 
 pytestmark = pytest.mark.distributed
 
@@ -47,6 +47,7 @@ def _summary(mode: Any, error: BaseException | None = None) -> dict[str, Any]:
         "world_size": report.world_size,
         "raised": type(error).__name__ if error is not None else None,
         "stats": dict(report.meta.get("rank_exchange", {})),
+        "compared": compared(report),
         "rendered": mode.console.file.getvalue(),
         "findings": [],
     }
@@ -659,11 +660,20 @@ def entered_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     torch.distributed.barrier()
     with _mode() as mode:  # the next start on every rank is not confused by the failed one
         torch.rand(3)
-    return {**out, "ok_after": mode.report.ok, "stats": dict(mode.report.meta["rank_exchange"])}
+    return {
+        **out,
+        "ok_after": mode.report.ok,
+        "stats": dict(mode.report.meta["rank_exchange"]),
+        "compared": compared(mode.report),
+    }
 
 
 def _summary_plain(mode: Any) -> dict[str, Any]:
-    return {"ok": mode.report.ok, "findings": [f.kind.value for f in mode.report.findings]}
+    return {
+        "ok": mode.report.ok,
+        "findings": [f.kind.value for f in mode.report.findings],
+        "compared": compared(mode.report),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,6 +746,17 @@ def _site(line: int) -> str:
     return f"test_ranks.py:{line}"
 
 
+# What a clean run compares, by state (at least, each rank): the dropout of every step (3, or 2
+# with sync="op"), or the 10 draws of step_every; the model's 4 initialisations at the first
+# step (a hand-rolled DDP: nothing broadcasts them). Nothing is left uncompared.
+_CLEAN = {
+    "clean_training": {"by_state": 3, "initialisations": 4},
+    "clean_training_op_sync": {"by_state": 2, "initialisations": 4},
+    "step_every": {"by_state": 10},
+    "pair_streams": {"by_state": 3, "must_differ": 3},  # (and the pairs' streams, apart)
+}
+
+
 def test_clean_training_reports_nothing(two: Any) -> None:
     for name in ("clean_training", "clean_training_op_sync", "step_every"):
         for rank, r in two[name].items():
@@ -744,6 +765,7 @@ def test_clean_training_reports_nothing(two: Any) -> None:
             assert r["world_size"] == 2 and r["rank"] == rank
             assert r["stats"]["mismatches"] == 0 and r["stats"]["slow_calls"] == 0
             assert r["rendered"] == ""
+            assert_compared(r["compared"], rank, **_CLEAN[name], not_compared={})
 
 
 def test_every_steps_checks_only_every_nth_step_and_still_finds_a_drift(two: Any) -> None:
@@ -754,6 +776,9 @@ def test_every_steps_checks_only_every_nth_step_and_still_finds_a_drift(two: Any
         # Six steps, two checked (0 and 3): their all_reduce points and optimizer steps
         # exchange (3 parameters + step = 4 each), plus the final exchange at exit.
         assert clean["stats"]["exchanges"] == 2 * 5 + 1, clean["stats"]
+        # The dropout of the two checked steps alone is compared (and the initialisations).
+        assert clean["compared"]["by_state"] == 2, clean["compared"]
+        assert clean["compared"]["initialisations"] == 4, clean["compared"]
         # The extra draw on step 1 is not seen until step 3, the next checked step.
         assert drift["raised"] == "RankDivergenceError"
         assert drift.get("done3") and not drift.get("done4")
@@ -765,6 +790,8 @@ def test_every_steps_checks_only_every_nth_step_and_still_finds_a_drift(two: Any
 def test_process_group_destroyed_inside_the_block(two: Any) -> None:
     for r in two["destroyed_inside"].values():
         assert "error" not in r, r.get("traceback")
+        # Nothing is compared across the ranks, by design: the group is destroyed before the
+        # first exchange point, so no round ever goes out.
         assert r["ok"] and r["stats"]["exchanges"] == 0
 
 
@@ -788,6 +815,8 @@ def test_a_slow_rank_is_not_a_missing_rank(two: Any) -> None:
         assert r["ok"], (rank, r["findings"])
         # The default timeout is the process group's own (60 s in the test workers), not 120 s.
         assert r["timeout"] == {"seconds": 60.0, "from": "the process group"}
+        # Compared after the wait: the dropout of both steps and the 4 initialisations.
+        assert_compared(r["compared"], rank, by_state=2, initialisations=4, not_compared={})
 
 
 def test_a_mode_entered_on_one_rank_says_so(two: Any) -> None:
@@ -797,8 +826,9 @@ def test_a_mode_entered_on_one_rank_says_so(two: Any) -> None:
     )
     assert "enter the mode on every rank" in r0["error"] and "sync='off'" in r0["error"]
     assert "error" not in r1
-    for r in (r0, r1):  # and the next mode started on both ranks checks as usual
+    for rank, r in enumerate((r0, r1)):  # and the next mode started on both ranks checks as usual
         assert r["ok_after"] and r["stats"]["exchanges"] == 1
+        assert_compared(r["compared"], rank, by_state=1, not_compared={})  # (its torch.rand)
 
 
 def test_rank_dependent_seed_before_building_a_replicated_model(two: Any) -> None:
@@ -891,8 +921,10 @@ def test_an_ignored_block_that_draws_on_one_rank(two: Any) -> None:
 
 
 def test_differ_streams_collide(two: Any) -> None:
-    for _rank, r in two["differ_streams"].items():
+    for rank, r in two["differ_streams"].items():
         assert r["offset"]["ok"], r["offset"]["findings"]
+        # The augmentation stream, compared as one that must differ; the dropout, by state.
+        assert_compared(r["offset"]["compared"], rank, must_differ=1, by_state=1, not_compared={})
         f = _only(r["collide"])
         assert f["kind"] == "rank_collision"
         assert f["ranks"] == [0, 1]
@@ -904,9 +936,11 @@ def test_differ_streams_collide(two: Any) -> None:
 
 def test_dtensor_replicate_on_a_cpu_mesh(two: Any) -> None:
     results = two["dtensor_replicate"]
-    for _rank, r in results.items():
+    for rank, r in results.items():
         assert "error" not in r, r.get("traceback")
         assert r["clean"]["ok"], r["clean"]["findings"]
+        # The replicated and the sharded dropout, twice each, by state over the mesh.
+        assert_compared(r["clean"]["compared"], rank, by_state=4, not_compared={})
         drift = r["drift"]
         assert drift["raised"] == "RankDivergenceError"
         f = _only(drift)
@@ -941,6 +975,7 @@ def test_exchange_costs_the_same_at_world_size_two_and_four(two: Any, four: Any)
             assert s2["exchanges"] == s4["exchanges"]
             assert s2["fast_calls"] == s4["fast_calls"] and s2["fast_bytes"] == s4["fast_bytes"]
             assert s2["slow_calls"] == s4["slow_calls"] == 0
+            assert_compared(r["compared"], rank, **_CLEAN[name], not_compared={})
         print(f"{name}: world 2: {s2}\n{name}: world 4: {s4}")
 
 
@@ -949,6 +984,10 @@ def test_subgroups_with_different_expectations(four: Any) -> None:
     for rank, r in results.items():
         assert "error" not in r, r.get("traceback")
         assert r["clean"]["ok"], (rank, r["clean"]["findings"])
+        # Ranks 0 and 1 compare their stream by state, ranks 2 and 3 theirs as one that must
+        # differ; every rank, the world-wide dropout by state.
+        stream = {"by_state": 2} if rank < 2 else {"by_state": 1, "must_differ": 1}
+        assert_compared(r["clean"]["compared"], rank, **stream, not_compared={})
         f = _only(r["collide"])
         assert f["kind"] == "rank_collision" and f["ranks"] == [2, 3]
         assert f["site"] == _site(r["collide"]["line"])
@@ -1018,13 +1057,18 @@ def test_mode_group_as_a_rank_list(four: Any) -> None:
         assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1]
         assert f["site"] == _site(line)
     for rank in (2, 3):
+        # Nothing is compared on ranks 2 and 3, by design: outside the mode's group they start
+        # no rank checker at all.
         assert results[rank]["ok"] and results[rank]["stats"] == {}
+        assert results[rank]["compared"] is None, results[rank]["compared"]
 
 
 def test_mesh_dimensions_as_groups(four: Any) -> None:
     for rank, r in four["mesh_dims"].items():
         assert "error" not in r, r.get("traceback")
         assert r["clean"]["ok"], (rank, r["clean"]["findings"])
+        # Apart across tp, by state across dp.
+        assert_compared(r["clean"]["compared"], rank, must_differ=1, by_state=1, not_compared={})
         f = _only(r["collide"])
         assert f["kind"] == "rank_collision"
         assert f["ranks"] in ([0, 1], [2, 3])
@@ -1036,6 +1080,8 @@ def test_dtensor_pipeline_stages_declared_to_differ(four: Any) -> None:
         assert r["declared"]["ok"], (rank, r["declared"]["findings"])
         assert r["per_stage"]["ok"], (rank, r["per_stage"]["findings"])
         assert r["per_stage"]["stats"]["exchanges"] == 1  # at exit, within the stage
+        for name in ("declared", "per_stage"):  # the dropout, by state (over dp, or the stage)
+            assert_compared(r[name]["compared"], rank, by_state=1, not_compared={})
         f = _only(r["undeclared"])
         assert f["kind"] == "rank_divergence" and f["ranks"] == [0, 1, 2, 3]
         assert f["op"] == "aten.bernoulli_.float" and f["site"] == _site(r["undeclared"]["line"])
@@ -1160,6 +1206,12 @@ def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(
         assert "error" not in r, r.get("traceback")
         for name in ("same", "per_dp", "dtensor"):
             assert r[name]["ok"] and not r[name]["findings"], (rank, name, r[name]["findings"])
+            # The dropout of both blocks at both steps, compared among the peers alone; the
+            # parallelized layers' 8 initialisations at the first step.
+            peers = {"among_peers_only": 4}
+            assert_compared(
+                r[name]["compared"], rank, among_peers=4, initialisations=8, not_compared=peers
+            )
         note = next(n for n in r["same"]["notes"] if "tensor-parallel peers" in n)
         assert any("not compared by state: default cpu" in n for n in r["same"]["notes"]), r["same"]
         label = f"fully_shard over ranks {'0,2' if rank % 2 == 0 else '1,3'}"
@@ -1190,6 +1242,9 @@ def test_hugging_face_tensor_parallelism_inside_fsdp2_is_quiet_and_its_peers_com
         checked = r["checked"]
         assert checked["ok"] and not checked["findings"], (rank, checked["findings"])
         assert checked["losses"] == r["plain"]["losses"], rank
+        # GPT-NeoX's dropout, compared among the tensor-parallel peers alone.
+        peers = {"among_peers_only": 1}
+        assert_compared(checked["compared"], rank, among_peers=1, not_compared=peers)
         assert checked["parameters"] == r["plain"]["parameters"], rank
         f = _only(r["per_rank"])
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f

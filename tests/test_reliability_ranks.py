@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import assert_compared, compared
 
 _HERE = __file__
 
@@ -55,6 +56,7 @@ def _ddp_run(checked: bool, sync: str) -> dict[str, Any]:
         "rng": _digest([torch.get_rng_state()]),
         "ok": mode.report.ok if checked else True,
         "random_ops": mode.report.random_ops if checked else 0,
+        "compared": compared(mode.report) if checked else None,
     }
 
 
@@ -81,6 +83,7 @@ def _dtensor_run(checked: bool) -> dict[str, Any]:
         "outputs": _digest(outs),
         "rng": _digest([torch.get_rng_state()]),
         "ok": mode.report.ok if checked else True,
+        "compared": compared(mode.report) if checked else None,
     }
 
 
@@ -113,6 +116,9 @@ def test_ddp_training_is_bitwise_identical_with_and_without_the_checker(runs: An
         for sync in ("step", "op"):
             checked = r[sync]
             assert checked["ok"] and checked["random_ops"] > 0, (rank, sync, checked)
+            # The inputs of the 3 steps, by state (the default generator seeded alike); the
+            # dropout of DDP's forward and of its recompute in backward, each rank's own.
+            assert_compared(checked["compared"], rank, by_state=3, not_compared={"own_batch": 6})
             for key in ("params", "outputs", "rng"):
                 assert checked[key] == r["plain"][key], (rank, sync, key)
 
@@ -121,5 +127,7 @@ def test_dtensor_random_ops_are_bitwise_identical_with_and_without_the_checker(r
     for rank, r in runs["dtensor_plain_vs_checked"].items():
         assert "error" not in r, r.get("traceback")
         assert r["checked"]["ok"], (rank, r)
+        # The replicated and the sharded dropout, twice each, by state over the mesh.
+        assert_compared(r["checked"]["compared"], rank, by_state=4, not_compared={})
         assert r["checked"]["outputs"] == r["plain"]["outputs"], rank
         assert r["checked"]["rng"] == r["plain"]["rng"], rank

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
-from _dist import scenario_mode
+from _dist import assert_compared, compared, scenario_mode
 from _recompute_util import marked_line
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
@@ -736,6 +736,7 @@ def _summary(mode: Any) -> dict[str, Any]:
         "notes": [n.kind for n in report.notes],
         "level": report.meta.get("level", {}),
         "recompute": report.meta.get("recompute", {}),
+        "compared": compared(report),
     }
 
 
@@ -836,7 +837,12 @@ def gan_on_two_ranks(rank: int, world: int) -> dict[str, Any]:
     report = _gan(
         False, False, critic_steps=1, make_mode=_dist_mode, sample_first=1, sample_every=3
     )
-    return {"ok": report.ok, "recompute": report.meta["recompute"], "level": report.meta["level"]}
+    return {
+        "ok": report.ok,
+        "recompute": report.meta["recompute"],
+        "level": report.meta["level"],
+        "compared": compared(report),
+    }
 
 
 def replicated_extra_draw_in_the_last_round(rank: int, world: int) -> dict[str, Any]:
@@ -864,6 +870,11 @@ def test_per_rank_amounts_under_ddp_stay_quiet_at_the_step_level(two: Any) -> No
         assert "error" not in r, r.get("traceback")
         assert r["findings"] == [] and "step_level_drift" not in r["notes"], (rank, r)
         assert r["level"]["op_level"] == ["1-2", "5", "10"] and r["level"]["escalations"] == 0
+        # Op by op (the sampled steps): DDP's broadcast of the model's 4 initialisations, and
+        # its dropout at the 4 sampled steps, each rank's own. Nothing replicated is drawn: the
+        # batches come from a per-rank stream (the step digests leave it out).
+        exempted = {"own_batch": 4}
+        assert_compared(r["compared"], rank, initialisations_broadcast=4, not_compared=exempted)
 
 
 @pytest.mark.slow
@@ -894,15 +905,22 @@ def test_a_recurring_rank_drift_between_samples_is_escalated_and_located(
 
 @pytest.mark.slow
 def test_a_rank_drift_in_the_last_steps_is_a_note_not_silence(two: Any) -> None:
-    for r in two["replicated_extra_draw_in_the_last_round"].values():
+    for rank, r in two["replicated_extra_draw_in_the_last_round"].items():
         assert "error" not in r, r.get("traceback")
         assert r["findings"] == [] and r["level"]["op_level"] == ["1-2"], r
+        # The round of steps 1-32 was compared (quiet: the drift starts at step 34), and the
+        # dropout of the 2 sampled steps by state, the 4 initialisations at the first step.
+        assert_compared(
+            r["compared"], rank, by_state=2, initialisations=4, step_rounds=1, not_compared={}
+        )
         assert r["notes"].count("step_level_drift") == 1, r["notes"]
 
 
 @pytest.mark.slow
 def test_a_gan_on_two_ranks_leaves_split_recomputes_unpaired(two: Any) -> None:
-    for r in two["gan_on_two_ranks"].values():
+    for rank, r in two["gan_on_two_ranks"].items():
         assert "error" not in r, r.get("traceback")
         assert r["ok"] and r["level"]["postponed_switches"] == 0, r
+        # The replicated GAN's draws at its sampled steps, by state: nothing is exempted.
+        assert_compared(r["compared"], rank, by_state=1, not_compared={})
         assert 0 < r["recompute"]["unpaired"] < r["recompute"]["recomputes"] == 9, r

@@ -21,6 +21,7 @@ torch_xla = pytest.importorskip("torch_xla")
 import torch  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.utils.checkpoint as xla_checkpoint  # noqa: E402
+from _dist import assert_compared, compared  # noqa: E402
 from torch_xla.distributed.fsdp import checkpoint_module  # noqa: E402
 
 import rngcheck  # noqa: E402
@@ -281,6 +282,7 @@ def _ranks_summary(mode: Any) -> dict[str, Any]:
     return {
         "ok": report.ok,
         "ops_by_generator": report.ops_by_generator,
+        "compared": compared(report),
         "findings": [
             {
                 "kind": f.kind.value,
@@ -337,6 +339,8 @@ def test_ranks_with_equal_xla_seeds_quiet(xla_ranks: Any) -> None:
         assert "error" not in r, r.get("traceback")
         assert r["ok"], (rank, r["findings"])
         assert r["ops_by_generator"] == {"default xla:0": 3}
+        # The dropout of the 3 steps, compared by state: the XLA seeds agree.
+        assert_compared(r["compared"], rank, by_state=3, not_compared={})
 
 
 @pytest.mark.distributed
