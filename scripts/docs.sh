@@ -4,10 +4,10 @@
 # A small venv, .venv-docs (mkdocs from requirements-docs.txt, rngcheck editable without its
 # dependencies: no torch), reused while its stamp (the Python, requirements-docs.txt) matches;
 # then `mkdocs build --strict` into .venv-docs/site (ignored by git). Strict: a broken link or
-# anchor, a page left out of the nav, or a stale environment-variable table (docs/hooks.py)
-# fails the build.
-#   --fix   rewrite the generated environment-variable table of docs/environment.md from
-#           rngcheck/env/variables.py, instead of building.
+# anchor, a page left out of the nav, or a stale generated table (docs/hooks.py: the
+# environment variables, the integrations' scopes) fails the build.
+#   --fix   rewrite the generated tables (docs/environment.md's from rngcheck/env/variables.py,
+#           docs/data-parallel.md's from rngcheck/ranks/integrations/), instead of building.
 # DOCS_REBUILD=1 rebuilds the venv. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,13 +41,17 @@ if [ "${DOCS_REBUILD:-0}" = "1" ] || [ ! -f "$stamp" ] || [ "$(cat "$stamp")" !=
   echo "$want" >"$stamp"
 fi
 
-# The table hook needs rngcheck's variable table, and must get it without torch.
+# The table hook needs rngcheck's variable table and its integrations' registry, and must get
+# them without torch.
 if ! "$VENV/bin/python" -c '
 import sys
 import rngcheck.env.variables
+from rngcheck.ranks import integrations
+integrations.registered()
 heavy = sorted(m for m in ("torch", "rich") if m in sys.modules)
-sys.exit(f"importing rngcheck.env.variables imported {heavy}" if heavy else 0)'; then
-  echo "docs: rngcheck.env.variables must import without torch (docs/hooks.py reads it)" >&2
+sys.exit(f"importing the sources of the generated tables imported {heavy}" if heavy else 0)'; then
+  echo "docs: rngcheck.env.variables and rngcheck.ranks.integrations must import without torch" \
+    "(docs/hooks.py reads them)" >&2
   exit 1
 fi
 

@@ -97,12 +97,16 @@ class Frames(Hook):
 
 
 _FRAME_SAYS = {
-    Role.ORDER: "agree by state over the group, whatever the generator's history",
-    Role.SAMPLER: "in a program with pipeline stages: agree by state over the group",
-    Role.READER: "this rank alone (it reads for every rank, then broadcasts)",
-    Role.FETCH: "with the loader below: this rank's own, when the data is split among ranks",
-    Role.LOADER: "(reads the split of the data the fetcher above reads)",
-    Role.SKETCH: "in a wrapper's backward over the whole group: agree by state",
+    Role.ORDER: "agree by state over the group, whatever moved the generator",
+    Role.SAMPLER: "in a program that built pipeline stages: agree by state over the group (every "
+    "stage walks this order)",
+    Role.READER: "this rank's alone, with everything below it (it reads for every rank, then "
+    "broadcasts)",
+    Role.FETCH: "reading a batch in this process (an iterable dataset's: its collation only): "
+    "this rank's own when the loader's dataset or sampler splits the data among the ranks",
+    Role.LOADER: "none; names the dataset and sampler of the batch being fetched",
+    Role.SKETCH: "in the backward of a wrapper that spans the group, with no tensor-parallel "
+    "peers: agree by state over the group",
 }
 
 
@@ -163,7 +167,10 @@ class WrapperInit(Hook):
     (its broadcast of the module's states), from its arguments."""
 
     describe: DescribeInit
-    says: ClassVar[str] = "learns the wrapper's group, and what it broadcasts, as it is built"
+    says: ClassVar[str] = (
+        "none; learns the wrapper's group as it is built, and the parameters it broadcasts "
+        "(their initialisations are not compared)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,8 +191,9 @@ class WrapperForward(Hook):
     # so they are no exchange points until the next optimizer step.
     chains: Callable[[Any], bool] | None = None
     says: ClassVar[str] = (
-        "this rank's own over the wrapper's group; agree by state among its tensor-parallel "
-        "peers; its backward too, until the optimizer step"
+        "this rank's own across the wrapper's group (its batch; a pipeline schedule's stages: "
+        "its layers, own_layers), in its backward too until the optimizer step; agree by state "
+        "among its tensor-parallel peers"
     )
     reason: ClassVar[Reason | None] = Reason.OWN_BATCH
 
@@ -200,7 +208,10 @@ class WrapperBroadcast(Hook):
     known only inside its construction (DeepSpeed's engine)."""
 
     describe: Callable[[Any, bool], Wrapper]
-    says: ClassVar[str] = "learns the wrapper, and what it broadcasts, before the broadcast"
+    says: ClassVar[str] = (
+        "none; learns the wrapper's group and the parameters it broadcasts, before the "
+        "broadcast (their initialisations are not compared)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,14 +221,18 @@ class ParameterBroadcast(Hook):
 
     group: Callable[[Any, Any], Any]
     kind: str = ""
-    says: ClassVar[str] = "the parameter's initialisation is overwritten by the broadcast"
+    says: ClassVar[str] = (
+        "none; the parameter it broadcasts as it is made: its initialisation is not compared"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageInit(Hook):
     """A pipeline stage's constructor: its module is this rank's own layers."""
 
-    says: ClassVar[str] = "initialising the stage's parameters: this rank's own"
+    says: ClassVar[str] = (
+        "initialising the stage's parameters, before the first step: this rank's own"
+    )
     reason: ClassVar[Reason | None] = Reason.STAGE_INIT
 
 
@@ -229,8 +244,9 @@ class Generate(Hook):
     alike)."""
 
     says: ClassVar[str] = (
-        "wrapped module: this rank's own; any other model: compared as the call (its first "
-        "draw, by state); tensor-parallel: by state"
+        "on the module a known wrapper wraps: this rank's own (own_samples); on another model: "
+        "compared as the call, by its first draw's state, the rest this rank's own; on a model "
+        "with DTensor parameters: op by op, by state"
     )
     reason: ClassVar[Reason | None] = Reason.SAMPLING
 
@@ -245,7 +261,10 @@ class BroadcastRegion(Hook):
     rank: Callable[[Any], int | None]
     what: str = ""  # what the broadcast means for what is drawn inside ("{rank}" filled in)
     alone: str = ""  # ... said of the rank that drew there alone (after "broadcast by it")
-    says: ClassVar[str] = "the broadcasting rank's alone, and everything nested in it"
+    says: ClassVar[str] = (
+        "the broadcasting rank's alone, with everything nested in it but a declared scope; as "
+        "outside when it broadcasts from no rank"
+    )
     reason: ClassVar[Reason | None] = Reason.BROADCAST
 
 
@@ -259,7 +278,10 @@ class JoinContext(Hook):
     joinables: Callable[[Any], Any]  # the objects a Join holds (named in its label)
     group: Callable[[Any], Any]  # its process group
     first: Callable[[Any], bool]  # whether a joinable is the first enabled one of its Join
-    says: ClassVar[str] = "exchange at Join's own points; after a rank ran out, each rank's own"
+    says: ClassVar[str] = (
+        "over every checked rank: exchanges only at Join's own points; from a rank's running out "
+        "of inputs until every rank has left it: each rank's own"
+    )
     reason: ClassVar[Reason | None] = Reason.JOIN
 
 
