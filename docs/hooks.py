@@ -95,8 +95,8 @@ def _scope_text(hook: Any) -> str:
 
 
 def _reason(hook: Any) -> str:
-    """The reason a hook's scope gives (a ``Frames`` hook's own ``scope``, else its kind's)."""
-    reason = getattr(hook, "scope", None) or hook.reason
+    """The reason a hook's scope gives (a ``Frames`` hook's own ``scope``, else its record's)."""
+    reason = getattr(hook, "scope", None) or hook.opens
     return f"`{reason.value}`" if reason is not None else ""
 
 
