@@ -16,7 +16,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +47,7 @@ from .core.ops import (
     writes_first_argument,
 )
 from .core.policy import current_expectation
+from .core.rank_check import RankCheck
 from .core.schedule import StepEnds, StepSchedule
 from .core.seeding import SeedCallLog
 from .core.stacks import Stack, user_frame
@@ -214,7 +215,7 @@ class RNGConsistencyMode:
         self._compiled: CompiledRecomputes | None = None
         self._graph_hook = CompiledGraphHook(self._on_compiled_graph)
         self._step_hook: Any = None
-        self._ranks: Any = None
+        self._ranks: RankCheck | None = None
         self._trace: TraceFeed | None = None
         self._ended_by: BaseException | None = None  # what ended the block (at __exit__)
         self._xla: Any = None  # torch_xla's checkpoint patch, once torch_xla is imported
@@ -249,7 +250,7 @@ class RNGConsistencyMode:
         self._lead: weakref.ReferenceType[Any] | None = None
         # Across ranks: the lead's parameters, when it trains a data-parallel wrapper's or a
         # pipeline stage's (read as it became the lead; see _takes_over), else None.
-        self._lead_replicas: weakref.WeakSet[Any] | None = None
+        self._lead_replicas: Collection[Any] | None = None
         # id -> (the optimizer, weakly; its steps since the lead's last step)
         self._since_lead: dict[int, tuple[weakref.ReferenceType[Any], int]] = {}
         self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
@@ -393,12 +394,13 @@ class RNGConsistencyMode:
             coverage=self._coverage_gap,
         )
 
-    def _start_ranks(self) -> Any:
+    def _start_ranks(self) -> RankCheck | None:
         if self.config.sync == "off":
             return None
         from .ranks.startup import start
 
-        ranks = start(self._handle())
+        # Typed: here mypy proves that the RankChecker start() returns is a RankCheck.
+        ranks: RankCheck | None = start(self._handle())
         if ranks is not None:
             self._sink.renders = ranks.renders  # one merged rendering across ranks
             if self._schedule is not None:
