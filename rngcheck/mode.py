@@ -22,44 +22,24 @@ from typing import Any
 
 import torch
 
-from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config, check_writable
-from .core.digest import tensor_digest
 from .core.dispatch import Interceptor
-from .core.events import (
-    BACKWARD,
-    FORWARD,
-    RECOMPUTE,
-    EventWindow,
-    OutOfBandChange,
-    Phase,
-    RandomOpEvent,
-)
+from .core.events import EventWindow, RandomOpEvent
 from .core.findings import Finding, Note, RNGCheckCoverageWarning
 from .core.generators import GeneratorRegistry
 from .core.handle import CheckerHandle
-from .core.ops import (
-    OpKind,
-    op_device,
-    op_generator,
-    op_name,
-    summarize_args,
-    writes_first_argument,
-)
-from .core.policy import current_expectation
 from .core.rank_check import RankCheck
 from .core.schedule import StepEnds, StepSchedule
 from .core.seeding import SeedCallLog
-from .core.stacks import Stack, user_frame
 from .output.report import Report
 from .output.sink import FindingSink
 from .output.trace import TraceFeed, write_trace
 from .recompute.compiled import CompiledRecomputes
 from .recompute.held import HeldFindings
-from .recompute.inferred import InferredRecomputes, driver_frame
+from .recompute.inferred import InferredRecomputes
 from .recompute.probe import StateProbe
-from .recompute.torch_hooks import checkpoint_frame_on_stack
 from .recompute.tracker import RecomputeTracker
+from .session.recorder import MAX_NOTE_SITES, Recorder
 
 __all__ = ["RNGConsistencyMode", "active_mode", "exchange_stats", "run_checked"]
 
@@ -67,7 +47,6 @@ log = logging.getLogger(__name__)
 
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
-_MAX_NOTE_SITES = 64
 _TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
 # Rebuilt at every read of the report.
 _DERIVED_NOTES = (
@@ -213,7 +192,6 @@ class RNGConsistencyMode:
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
         self._compiled: CompiledRecomputes | None = None
-        self._graph_hook = CompiledGraphHook(self._on_compiled_graph)
         self._step_hook: Any = None
         self._ranks: RankCheck | None = None
         self._trace: TraceFeed | None = None
@@ -222,9 +200,6 @@ class RNGConsistencyMode:
         self._xla_loaded = False
         self._entered = False
         self._pid = os.getpid()
-        self._backward_sites: dict[str, list[Any]] = {}
-        self._hook_draws: dict[Any, int] = {}  # communication hook -> its random ops in backward
-        self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
         # level="step": which steps run op by op, the checkpoint probe between them, and what
         # the step level saw (escalations wished for here, drifts the ranks agreed on).
         cfg = self.config
@@ -261,6 +236,15 @@ class RNGConsistencyMode:
         # The last switch went between samples with no drifted slot, and it held: a switch
         # that stays there has nothing to change (the common step at level="step").
         self._between = False
+        # The random-op path: the hot path, with its own references to the checks (see _wire).
+        self._recorder = Recorder(
+            self._window,
+            self._generators,
+            self._seeds,
+            self.config.expect,
+            self._coverage_gap,
+            self._load_xla,
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -294,7 +278,7 @@ class RNGConsistencyMode:
             if self.config.check_recompute:
                 held = self._held
                 emit = held.op_by_op if held is not None else self._sink.emit
-                self.recompute_tracker = RecomputeTracker(emit, self._record_cached)
+                self.recompute_tracker = RecomputeTracker(emit, self._recorder.record_cached)
                 self.recompute_tracker.install()
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
@@ -309,8 +293,9 @@ class RNGConsistencyMode:
             self._ranks = self._start_ranks()
             if self.config.trace:
                 self._trace = TraceFeed(self.config.trace, self._trace_meta)
-            self._graph_hook.install()
-            self._interceptor = Interceptor(self._on_special)
+            self._recorder.graph_hook.install()
+            self._interceptor = Interceptor(self._recorder.on_special)
+            self._wire()
             self._interceptor.__enter__()
             if self._schedule is not None:
                 self._schedule.start()
@@ -325,6 +310,7 @@ class RNGConsistencyMode:
             if self._interceptor is not None:
                 self._interceptor.__exit__(exc_type, exc, tb)
                 self._interceptor = None
+                self._wire()
             # The final exchange only when the block ended normally: after an exception, other
             # ranks may never arrive, and the user's exception is the one to see.
             if self._ranks is not None and exc_type is None:
@@ -342,7 +328,8 @@ class RNGConsistencyMode:
             if self._interceptor is not None:
                 self._interceptor.__exit__(None, None, None)
                 self._interceptor = None
-            self._graph_hook.uninstall()
+                self._wire()
+            self._recorder.graph_hook.uninstall()
             if self._passes is not None:
                 self._passes.uninstall()
                 self._passes = None
@@ -380,6 +367,19 @@ class RNGConsistencyMode:
 
                 self._xla = XlaCheckpointPatch(self.recompute_tracker).install()
         return self._xla_loaded
+
+    def _wire(self) -> None:
+        """Hand the recorder the checks, the trace and the interceptor as the mode now holds
+        them (at ``__enter__``, when the rank check starts, when the interceptor is popped): it
+        reads its own references per random op, never the mode's."""
+        rec = self._recorder
+        rec.tracker, rec.inferred, rec.compiled = (
+            self.recompute_tracker,
+            self._inferred,
+            self._compiled,
+        )
+        rec.trace, rec.ranks = self._trace, self._ranks
+        rec.interceptor, rec.pid = self._interceptor, self._pid
 
     def _handle(self) -> CheckerHandle:
         def identify(rank: int, world: int) -> None:
@@ -454,6 +454,7 @@ class RNGConsistencyMode:
         """
         if self._entered and self._ranks is None:
             self._ranks = self._start_ranks()
+            self._wire()
             self._between = False  # the next switch tells the new checker the level, in full
             # The splits drawn before it, compared from here on: only from a window that still
             # holds every op drawn before (a rank that dropped some could not tell its splits).
@@ -551,7 +552,7 @@ class RNGConsistencyMode:
             verdict = self._ranks.step_level(
                 schedule.step, self._generators.tracked(), want, sampled
             )
-            if verdict is not None and verdict.drifted and len(self._drifts) < _MAX_NOTE_SITES:
+            if verdict is not None and verdict.drifted and len(self._drifts) < MAX_NOTE_SITES:
                 self._drifts.append(verdict.step)
             schedule.escalate = verdict is not None and verdict.escalate
         elif self._ranks is not None:  # escalating is agreed on: ask at the next exchange
@@ -702,7 +703,7 @@ class RNGConsistencyMode:
             levels["postponed_switches"] = self._postponements
             r.meta["level"] = levels
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
-        for site, (count, stack, op) in self._backward_sites.items():
+        for site, (count, stack, op) in self._recorder.backward_sites.items():
             notes.append(
                 Note(
                     kind="backward_random_ops",
@@ -717,10 +718,10 @@ class RNGConsistencyMode:
                     stack=stack,
                 )
             )
-        if self._hook_draws:
+        if self._recorder.hook_draws:
             from .ranks.explain import sketch_note
 
-            notes += [sketch_note(hook, count) for hook, count in self._hook_draws.items()]
+            notes += [sketch_note(hook, count) for hook, count in self._recorder.hook_draws.items()]
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
         if self._drifts:
@@ -803,277 +804,11 @@ class RNGConsistencyMode:
             f"rngcheck could not write its {what} to {path}: {error}", RNGCheckWarning, stacklevel=4
         )
 
-    # -- the random-op path --------------------------------------------------------------------
-
-    def _on_special(self, kind: OpKind, func: Any, args: tuple, kwargs: dict) -> Any:
-        if os.getpid() != self._pid:
-            # A forked child (a DataLoader worker) inherits the pushed mode but not the rank
-            # group's peers: checking there would exchange from the wrong process and hang.
-            return func(*args, **kwargs)
-        if kind is OpKind.RANDOM:
-            return self._on_random(func, args, kwargs)
-        if self._ranks is not None:
-            self._ranks.on_collective(func, args)
-        return func(*args, **kwargs)
-
-    def _tracked(self, args: tuple, kwargs: dict, device: torch.device) -> Any:
-        """The registry entry of the generator an op draws from, or None (no adapter)."""
-        gen_arg = op_generator(args, kwargs)
-        if gen_arg is not None:
-            return self._generators.user(gen_arg, _first_use_site)
-        tracked = self._generators.default(device)
-        if tracked is None and device.type == "xla" and self._load_xla():
-            tracked = self._generators.default(device)  # torch_xla imported after the mode began
-        return tracked
-
-    def _event(
-        self,
-        op: str,
-        summary: tuple[str, ...],
-        tracked: Any,
-        stack: Stack | None = None,
-        **fields: Any,
-    ) -> RandomOpEvent:
-        tracker = self.recompute_tracker
-        return RandomOpEvent(
-            seq=self._window.total,
-            op=op,
-            generator=tracked.ident,
-            device=tracked.ident.device,
-            args=summary,
-            stack=stack if stack is not None else Stack.capture(),
-            expect=self._expectation(),
-            region=tracker.innermost() if tracker is not None else "",
-            **fields,
-        )
-
-    def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        tracker = self.recompute_tracker
-        if tracker is not None:
-            tracker.recorded += 1  # seen by this mode (a SAC cache's observer compares it)
-        device = op_device(args, kwargs)
-        if device.type == "meta":
-            return func(*args, **kwargs)
-        tracked = self._tracked(args, kwargs, device)
-        if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
-            return func(*args, **kwargs)
-        before, oob, mark = self._before_draw(tracked)
-        out = func(*args, **kwargs)
-        after = tracked.read()
-        if after is not None and after == before:
-            # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a random-tagged
-            # kernel under no_grad and an untagged one with grad, so a reentrant recompute would
-            # "miss" it): not a draw of the program. The generator's last state stays as it was,
-            # so a change before this op is still seen at the next one that draws.
-            return out
-        call = compiled_call()
-        if call is not None:
-            # A compiled graph's draw (its first call, before the graph hook was in place): from
-            # now on its calls run with the mode set aside (see _on_compiled_graph).
-            self._graph_hook.install()
-            op, summary = f"compiled_graph.{call.kind}", tuple[str, ...]()
-        else:
-            op, summary = op_name(func), summarize_args(func, args, kwargs)
-            if tracker is not None and not tracker.active() and not self._unseen_checkpoint:
-                self._check_coverage(op)
-        mesh = written = None
-        if self._ranks is not None:
-            # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
-            # group; an in-place op's target tells a parameter's initialisation (replicated.py).
-            mesh = self._ranks.mesh_of(args, kwargs)
-            written = args[0] if args and writes_first_argument(func) else None
-        self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written)
-        return out
-
-    def _before_draw(self, tracked: Any) -> tuple[int | None, OutOfBandChange | None, int]:
-        """The generator's state before a draw, how it changed since its last draw, if it did,
-        and the seeding-call counter now."""
-        before = tracked.read()
-        oob = None
-        if before is not None and tracked.last_after is not None and before != tracked.last_after:
-            oob = self._out_of_band(tracked)
-        return before, oob, self._seeds.counter
-
-    def _drawn(
-        self,
-        op: str,
-        summary: tuple[str, ...],
-        tracked: Any,
-        before: int | None,
-        after: int | None,
-        oob: OutOfBandChange | None,
-        seed_mark: int,
-        out: Any,
-        call: CompiledCall | None,
-        mesh: Any = None,
-        written: Any = None,
-    ) -> None:
-        """A draw happened: note the generator's new state, build the event, and hand it on."""
-        tracked.last_after = after
-        tracked.seed_mark = seed_mark
-        if isinstance(tracked.handle, torch.Generator):
-            tracked.initial_seed = tracked.handle.initial_seed()
-        tracker = self.recompute_tracker
-        in_region = tracker is not None and tracker.active()
-        phase = self._phase()
-        stack = None
-        if call is not None and call.sources:
-            # The user's line of the graph's random op (its FX stack trace), not the generated
-            # code's: the stack up to the compiled function's call, then that line.
-            stack = Stack.capture(innermost=call.sources[0])
-        inferred = self._inferred
-        # A compiled graph's draw has no output of its own (its seeds, or the graph's outputs
-        # with saved activations): its generator's states are what is compared.
-        digest = call is None and (
-            in_region
-            or (
-                inferred is not None
-                and (phase is BACKWARD or (inferred.watching and inferred.watches(user_frame())))
-            )
-        )
-        event = self._event(
-            op,
-            summary,
-            tracked,
-            stack=stack,
-            before=before,
-            after=after,
-            phase=phase,
-            output=tensor_digest(out) if digest else None,
-            out_of_band=oob,
-            seed=tracked.initial_seed,
-            compiled=call.label if call is not None else "",
-        )
-        self._record(event, mesh, written, call)
-
-    def _on_compiled_graph(self, graph: Any, run: Callable[[], Any]) -> Any:
-        """A call of an inductor graph: it runs with this mode set aside (its kernels dispatched
-        from compiled code cost what they cost without the checker), and what it drew is read as
-        the generators' states before and after the call, like one random op."""
-        interceptor = self._interceptor
-        if interceptor is None or interceptor.suspended or os.getpid() != self._pid:
-            return run()
-        call = compiled_call(graph=graph) or CompiledCall(kind="forward", function=None, sources=())
-        devices = {"cpu", *(getattr(graph, "device_types", ()) or ())}
-        tracked = [
-            t for t in (self._generators.default(torch.device(d)) for d in sorted(devices)) if t
-        ]
-        befores = [self._before_draw(t) for t in tracked]
-        with interceptor.set_aside() as aside:
-            out = run()
-        if not aside:  # another mode above (AOT's first-call analyser): ops came through one by one
-            return out
-        for t, (before, oob, mark) in zip(tracked, befores, strict=True):
-            after = t.read()
-            if after is not None and after != before:
-                op = f"compiled_graph.{call.kind}"
-                self._drawn(op, (), t, before, after, oob, mark, out, call)
-        return out
-
-    def _check_coverage(self, op: str) -> None:
-        """A random op outside every region rngcheck knows: is a torch checkpoint running it?"""
-        if checkpoint_frame_on_stack():
-            self._unseen_checkpoint = True
-            self._coverage_gap(
-                f"a torch.utils.checkpoint region ran random ops ({op}) that rngcheck "
-                f"did not see begin, on torch {torch.__version__}: either the region started "
-                "before the mode was entered, or this torch runs checkpoint through code "
-                "rngcheck does not hook. Recomputes of such regions are not compared"
-            )
-
-    def _record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """A random op that a selective-checkpoint cache answered without running it."""
-        interceptor = self._interceptor
-        if interceptor is not None and interceptor.suspended:
-            return  # between sampled steps: no op is recorded (the probe checks the region)
-        tracked = self._tracked(args, kwargs, op_device(args, kwargs))
-        if tracked is not None:
-            event = self._event(
-                op_name(func),
-                summarize_args(func, args, kwargs),
-                tracked,
-                before=None,
-                after=None,
-                phase=RECOMPUTE,
-                cached=True,
-            )
-            self._record(event)
-
-    def _record(
-        self,
-        event: RandomOpEvent,
-        mesh: Any = None,
-        written: Any = None,
-        call: CompiledCall | None = None,
-    ) -> None:
-        self._window.add(event)
-        if self._trace is not None:
-            self._trace.add(event)
-        inferred, compiled = self._inferred, self._compiled
-        if event.phase is BACKWARD:
-            if call is not None and call.kind == "backward":
-                if compiled is not None:  # a compiled backward's draw: a recompute of the graph's
-                    compiled.on_backward(event, call)
-            # A hand-written checkpoint's recompute (compared there), or randomness that belongs
-            # in backward (a note).
-            elif inferred is None or not inferred.on_backward(event, driver_frame()):
-                self._note_backward(event)
-        elif event.phase is FORWARD and not event.region:
-            if call is not None and compiled is not None:
-                compiled.on_forward(event, call)
-            if inferred is not None:
-                inferred.on_forward(event)
-        if self.recompute_tracker is not None:
-            self.recompute_tracker.on_event(event)
-        if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators
-            self._ranks.on_event(event, mesh, written)
-
-    def _phase(self) -> Phase:
-        tracker = self.recompute_tracker
-        if tracker is not None and tracker.in_recompute():
-            return RECOMPUTE
-        if torch._C._current_graph_task_id() != -1:
-            return BACKWARD
-        return FORWARD
-
-    def _expectation(self) -> str:
-        exp = current_expectation()
-        return exp.policy if exp is not None else self.config.expect
-
-    def _out_of_band(self, tracked: Any) -> OutOfBandChange:
-        calls = self._seeds.since(tracked.seed_mark, tracked.ident.device)
-        new_seed = None
-        handle = tracked.handle
-        if isinstance(handle, torch.Generator) and tracked.initial_seed is not None:
-            seed = handle.initial_seed()
-            if seed != tracked.initial_seed:
-                new_seed = seed
-        return OutOfBandChange(calls=calls, new_seed=new_seed)
-
     def _coverage_gap(self, what: str) -> None:
         """Something rngcheck was asked to check and cannot: a loud warning and a report note,
         once each, never silence (a user must not believe an unchecked run is clean)."""
         self._report.notes.append(Note(kind="not_checked", message=what))
         warnings.warn(f"rngcheck: {what}.", RNGCheckCoverageWarning, stacklevel=2)
-
-    def _note_backward(self, event: RandomOpEvent) -> None:
-        from .ranks.scopes import sketch
-
-        hook = sketch()
-        if hook is not None:  # randomness that belongs in backward: the gradient exchange's own
-            self._hook_draws[hook] = self._hook_draws.get(hook, 0) + 1
-            return
-        site = event.site
-        entry = self._backward_sites.get(site)
-        if entry is not None:
-            entry[0] += 1
-        elif len(self._backward_sites) < _MAX_NOTE_SITES:
-            self._backward_sites[site] = [1, event.stack, event.op]
-
-
-def _first_use_site() -> str:
-    site = Stack.capture().call_site
-    return site.short_location if site is not None else ""
 
 
 def run_checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
