@@ -9,18 +9,14 @@ also the one place that knows the active mode.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import threading
 import warnings
-import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from .core.config import Config, check_writable
 from .core.dispatch import Interceptor
@@ -29,7 +25,6 @@ from .core.findings import Finding, Note, RNGCheckCoverageWarning
 from .core.generators import GeneratorRegistry
 from .core.handle import CheckerHandle
 from .core.rank_check import RankCheck
-from .core.schedule import StepEnds, StepSchedule
 from .core.seeding import SeedCallLog
 from .output.report import Report
 from .output.sink import FindingSink
@@ -39,7 +34,8 @@ from .recompute.held import HeldFindings
 from .recompute.inferred import InferredRecomputes
 from .recompute.probe import StateProbe
 from .recompute.tracker import RecomputeTracker
-from .session.recorder import MAX_NOTE_SITES, Recorder
+from .session.recorder import Recorder
+from .session.steps import StepControl
 
 __all__ = ["RNGConsistencyMode", "active_mode", "exchange_stats", "run_checked"]
 
@@ -47,7 +43,6 @@ log = logging.getLogger(__name__)
 
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
-_TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
 # Rebuilt at every read of the report.
 _DERIVED_NOTES = (
     "backward_random_ops",
@@ -57,7 +52,6 @@ _DERIVED_NOTES = (
     "not_compared",
     "step_level_drift",
 )
-_PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -179,15 +173,14 @@ class RNGConsistencyMode:
                 )
         self.console = console
         self._report = Report()
-        # Random ops drawn by the end of each optimizer step: a finding's step.
-        self._step_ends = StepEnds()
-        self._in_step_hook = False
-        self._sink = FindingSink(
-            self._report, on_finding, console, ignore=self.config.ignore, step=self._step_of
-        )
         self._window = EventWindow(size=window)
         self._generators = GeneratorRegistry()
         self._seeds = SeedCallLog()
+        # The optimizer-step hook and the level of each step (and so a finding's step).
+        self._steps = StepControl(self.config, self._window, self._generators, self._seeds)
+        self._sink = FindingSink(
+            self._report, on_finding, console, ignore=self.config.ignore, step=self._steps.step_of
+        )
         self._interceptor: Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
@@ -200,42 +193,16 @@ class RNGConsistencyMode:
         self._xla_loaded = False
         self._entered = False
         self._pid = os.getpid()
-        # level="step": which steps run op by op, the checkpoint probe between them, and what
-        # the step level saw (escalations wished for here, drifts the ranks agreed on).
-        cfg = self.config
-        self._schedule = (
-            StepSchedule(cfg.sample_every, cfg.sample_first) if cfg.level == "step" else None
-        )
+        self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
+        # level="step": the checkpoint probe between sampled steps, and its findings, held until
+        # a step checked op by op names them
         self._probe: StateProbe | None = None
-        # level="step": the probe's findings, held until a step checked op by op names them
         self._held = (
-            HeldFindings(self._sink.emit, lambda: self._step_of(-1))
-            if self._schedule is not None
+            HeldFindings(self._sink.emit, lambda: self._steps.step_of(-1))
+            if self.config.level == "step"
             else None
         )
-        self._probe_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._want_escalation = False
-        self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
-        self._late_drift = 0  # a drift the last round showed, after the last step
-        self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
         self._passes: Any = None  # across ranks: each data pass's first batch op by op (passes.py)
-        self._in_pass_window = False
-        # A training step ends at a step of the lead optimizer (see _on_step); the others that
-        # stepped since its last step, held weakly.
-        self._lead: weakref.ReferenceType[Any] | None = None
-        # Across ranks: the lead's parameters, when it trains a data-parallel wrapper's or a
-        # pipeline stage's (read as it became the lead; see _takes_over), else None.
-        self._lead_replicas: Collection[Any] | None = None
-        # id -> (the optimizer, weakly; its steps since the lead's last step)
-        self._since_lead: dict[int, tuple[weakref.ReferenceType[Any], int]] = {}
-        self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
-        # A level switch held back while a checkpointed forward waits for its recompute:
-        # (op level, rebased slots), applied at the next optimizer step with none waiting.
-        self._postponed: tuple[bool, tuple[int, ...]] | None = None
-        self._postponements = 0
-        # The last switch went between samples with no drifted slot, and it held: a switch
-        # that stays there has nothing to change (the common step at level="step").
-        self._between = False
         # The random-op path: the hot path, with its own references to the checks (see _wire).
         self._recorder = Recorder(
             self._window,
@@ -245,6 +212,7 @@ class RNGConsistencyMode:
             self._coverage_gap,
             self._load_xla,
         )
+        self._wire()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -274,7 +242,7 @@ class RNGConsistencyMode:
             self._seeds.install()
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._step_hook = register_optimizer_step_post_hook(self._on_step)
+            self._step_hook = register_optimizer_step_post_hook(self._steps.on_step)
             if self.config.check_recompute:
                 held = self._held
                 emit = held.op_by_op if held is not None else self._sink.emit
@@ -285,8 +253,9 @@ class RNGConsistencyMode:
                 self._inferred = InferredRecomputes(emit, self.config.window)
                 self._compiled = CompiledRecomputes(emit)
                 if held is not None:
+                    steps = self._steps
                     self._probe = StateProbe(
-                        self._probe_generators, held.between_samples, self._request_escalation
+                        steps.probe_generators, held.between_samples, steps.request_escalation
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()
@@ -297,8 +266,7 @@ class RNGConsistencyMode:
             self._interceptor = Interceptor(self._recorder.on_special)
             self._wire()
             self._interceptor.__enter__()
-            if self._schedule is not None:
-                self._schedule.start()
+            self._steps.start()
         except BaseException:
             self._teardown()
             raise
@@ -316,7 +284,7 @@ class RNGConsistencyMode:
             if self._ranks is not None and exc_type is None:
                 last = self._ranks.finish()
                 if last is not None and last.drifted:  # too late to check a step op by op
-                    self._late_drift = last.step
+                    self._steps.late_drift = last.step
             if self._held is not None:  # (after an exception: recorded, not raised)
                 self._held.close(raising=exc_type is None)
         finally:
@@ -369,17 +337,17 @@ class RNGConsistencyMode:
         return self._xla_loaded
 
     def _wire(self) -> None:
-        """Hand the recorder the checks, the trace and the interceptor as the mode now holds
-        them (at ``__enter__``, when the rank check starts, when the interceptor is popped): it
-        reads its own references per random op, never the mode's."""
-        rec = self._recorder
-        rec.tracker, rec.inferred, rec.compiled = (
-            self.recompute_tracker,
-            self._inferred,
-            self._compiled,
-        )
-        rec.trace, rec.ranks = self._trace, self._ranks
-        rec.interceptor, rec.pid = self._interceptor, self._pid
+        """Hand the parts the checks, the trace and the interceptor as the mode now holds them
+        (at construction, at ``__enter__``, when the rank check starts, when the interceptor is
+        popped): they read their own references, never the mode's."""
+        rec, steps = self._recorder, self._steps
+        rec.tracker = steps.tracker = self.recompute_tracker
+        rec.inferred = steps.inferred = self._inferred
+        rec.ranks = steps.ranks = self._ranks
+        rec.interceptor = steps.interceptor = self._interceptor
+        rec.pid = steps.pid = self._pid
+        rec.compiled, rec.trace = self._compiled, self._trace
+        steps.held, steps.probe, steps.thread = self._held, self._probe, self._thread
 
     def _handle(self) -> CheckerHandle:
         def identify(rank: int, world: int) -> None:
@@ -403,47 +371,12 @@ class RNGConsistencyMode:
         ranks: RankCheck | None = start(self._handle())
         if ranks is not None:
             self._sink.renders = ranks.renders  # one merged rendering across ranks
-            if self._schedule is not None:
+            if self._steps.schedule is not None:
                 from .ranks.passes import PassStarts
 
-                self._passes = PassStarts(self._pass_window)
+                self._passes = PassStarts(self._steps.pass_window)
                 self._passes.install()
         return ranks
-
-    @contextlib.contextmanager
-    def _pass_window(self) -> Iterator[None]:
-        """level="step", between samples: a DataLoader iterator asks its sampler for a pass's
-        first indices (passes.py). Op by op on this thread meanwhile, so the rank checker sees
-        the order the sampler draws; user generators first met here are forgotten after (a
-        sampler may make one per pass, as torch's DistributedSampler does: not read at every
-        step from then on)."""
-        ranks, interceptor = self._ranks, self._interceptor
-        if (
-            self._in_pass_window
-            or ranks is None
-            or interceptor is None
-            or not ranks.wants_passes
-            or threading.get_ident() != self._thread
-            or os.getpid() != self._pid
-        ):
-            yield
-            return
-        resumed = interceptor.suspended  # (else another mode above ours kept it on the stack)
-        if resumed:
-            interceptor.resume()
-        self._in_pass_window = True
-        known = self._generators.user_count
-        try:
-            if resumed:
-                self._after_gap()
-            ranks.pass_window(True)
-            yield
-        finally:
-            ranks.pass_window(False)
-            self._generators.forget_after(known)
-            self._in_pass_window = False
-            if resumed:
-                interceptor.suspend()
 
     def bind_distributed(self) -> None:
         """Start the cross-rank checks now that torch.distributed is initialised.
@@ -455,7 +388,7 @@ class RNGConsistencyMode:
         if self._entered and self._ranks is None:
             self._ranks = self._start_ranks()
             self._wire()
-            self._between = False  # the next switch tells the new checker the level, in full
+            self._steps.between = False  # the next switch tells the new checker the level, in full
             # The splits drawn before it, compared from here on: only from a window that still
             # holds every op drawn before (a rank that dropped some could not tell its splits).
             if self._ranks is not None and self._window.total == len(self._window.events):
@@ -476,189 +409,6 @@ class RNGConsistencyMode:
         draws it, once)."""
         return self._sink.renders(finding)
 
-    def _on_step(self, optimizer: Any, *_: Any) -> None:
-        """The one optimizer-step hook: the checks' step work, in one order on every rank.
-
-        A training step ends at a step of the lead optimizer: the first one seen to step, until
-        another steps ``_TAKEOVER`` times without it in between (the lead stopped: a second
-        training stage with a new optimizer; a GAN's critic stepping 5 times per generator
-        step does not take over). A program that steps several optimizers per iteration (Muon
-        beside AdamW, a GAN's two networks, a wrapper around an inner optimizer, one optimizer
-        per parameter) runs one training step per iteration, not one per optimizer. The rule
-        reads only the order of the steps, the same on every rank (not when an optimizer is
-        garbage-collected, which may differ)."""
-        lead = self._lead() if self._lead is not None else None
-        if self._lead is None or (lead is not optimizer and self._takes_over(optimizer)):
-            self._lead = weakref.ref(optimizer)
-            ranks = self._ranks
-            self._lead_replicas = ranks.replicas_trained(optimizer) if ranks is not None else None
-        elif lead is not optimizer:
-            if (
-                self._postponed is not None
-                and threading.get_ident() == self._thread
-                and not self._regions_waiting()
-            ):
-                postponed, self._postponed = self._postponed, None
-                self._switch(*postponed)
-            return
-        self._since_lead.clear()
-        self._step_ends.end_step(self._window.total)
-        self._in_step_hook = True  # what is found here belongs to the step that just ended
-        interceptor = self._interceptor
-        ran_op_by_op = interceptor is not None and not interceptor.suspended
-        try:
-            if self._inferred is not None:
-                self._inferred.on_step()
-            if self._ranks is not None:
-                self._ranks.on_step(optimizer)
-            # (a step after a rank ran out of inputs in torch's Join counts on no rank: the
-            # ranks' schedules stay the same, and it runs at the level it began at)
-            apart = self._ranks is not None and self._ranks.apart
-            if self._schedule is not None and interceptor is not None and not apart:
-                self._next_step(self._schedule, interceptor)
-            if self._held is not None:  # last: its findings may raise
-                self._held.step_ended(len(self._step_ends), ran_op_by_op)
-        finally:
-            self._in_step_hook = False
-
-    def _takes_over(self, optimizer: Any) -> bool:
-        """Count a step of ``optimizer`` (not the lead) since the lead's last step; True when
-        it has now made ``_TAKEOVER`` of them."""
-        since = self._since_lead
-        known = since.get(id(optimizer))
-        count = known[1] + 1 if known is not None and known[0]() is optimizer else 1
-        if len(since) > 65536:  # a new optimizer per step, and a lead that stopped
-            since.clear()
-        since[id(optimizer)] = (weakref.ref(optimizer), count)
-        if count < _TAKEOVER:
-            return False
-        # Across ranks, an optimizer that one rank steps alone (a linear probe rank 0 trains for
-        # its logs) must not move that rank's training steps away from the others': where the
-        # lead trains a data-parallel wrapper's parameters, only one that does too takes over.
-        # Read from what the lead trained as it became the lead, never from whether it (or a
-        # wrapper) was garbage-collected since, which may differ across the ranks.
-        ranks, held = self._ranks, self._lead_replicas
-        return ranks is None or held is None or ranks.trains_replicas(optimizer, held)
-
-    # -- level="step" ------------------------------------------------------------------------
-
-    def _next_step(self, schedule: StepSchedule, interceptor: Interceptor) -> None:
-        """Decide how the coming step is checked (the same on every rank) and switch to it."""
-        want, self._want_escalation = self._want_escalation, False
-        sampled = schedule.current_op_level
-        # Across ranks: every ``every_steps``-th step (each step by default) and every sampled
-        # one (the baseline); the same steps on every rank.
-        if self._ranks is not None and (sampled or schedule.step % self.config.every_steps == 0):
-            verdict = self._ranks.step_level(
-                schedule.step, self._generators.tracked(), want, sampled
-            )
-            if verdict is not None and verdict.drifted and len(self._drifts) < MAX_NOTE_SITES:
-                self._drifts.append(verdict.step)
-            schedule.escalate = verdict is not None and verdict.escalate
-        elif self._ranks is not None:  # escalating is agreed on: ask at the next exchange
-            verdict = None
-            self._want_escalation = want
-            schedule.escalate = False
-        else:
-            verdict = None
-            schedule.escalate = want
-        held, self._postponed = self._postponed, None
-        if self._ranks is None:
-            # The step that ends may have run at another level than decided (a switch held back
-            # or not possible on another thread): record what ran. (Across ranks the schedule
-            # stays the agreed one: it decides which collectives a rank posts.)
-            schedule.ran(op_level=not interceptor.suspended)
-        op_level = schedule.advance()
-        drifted = verdict.drifted if verdict is not None else ()
-        # In one process, a switch that would split a checkpointed forward from its recompute
-        # (a GAN steps its discriminator between them) waits for the next optimizer step, at
-        # most to the next training step. Not across ranks: what waits is each rank's own, and
-        # the level decides which collectives a rank posts; there such a recompute is unpaired.
-        if (
-            self._ranks is None
-            and held is None
-            and op_level is interceptor.suspended
-            and self._regions_waiting()
-        ):
-            self._postponed = (op_level, drifted)
-            self._postponements += 1
-            return
-        self._switch(op_level, drifted)
-
-    def _regions_waiting(self) -> bool:
-        tracker = self.recompute_tracker
-        return tracker is not None and tracker.waiting()
-
-    def _switch(self, op_level: bool, drifted: tuple[int, ...]) -> None:
-        """Check the coming steps op by op (``op_level``) or by generator states; ``drifted``:
-        the digest slots the ranks found drifted apart."""
-        interceptor = self._interceptor
-        if interceptor is None:
-            return
-        if self._between and not op_level and not drifted and interceptor.suspended:
-            return  # between samples, and staying there: what the last switch set holds
-        self._between = False
-        if self._ranks is not None:
-            self._ranks.set_checking(op_level, drifted)
-        if threading.get_ident() != self._thread:
-            # An optimizer stepped on another thread (one in backward, on an autograd device
-            # thread): the dispatch stack is per thread, so the level stays as it is.
-            if op_level is interceptor.suspended:
-                self._stuck_steps += 1
-            return
-        if op_level:
-            if interceptor.suspended:
-                interceptor.resume()
-                self._after_gap()
-            if self._probe is not None:
-                self._probe.active = False
-            self._seeds.quiet = False
-        elif interceptor.suspend():
-            if self._probe is not None:
-                self._probe.active = True
-            self._seeds.quiet = True
-            self._between = not drifted
-        else:
-            self._stuck_steps += 1  # another mode above ours: this step stays op by op
-
-    def _request_escalation(self) -> None:
-        """The checkpoint probe found a mismatch: check the next step op by op."""
-        self._want_escalation = True
-
-    def _after_gap(self) -> None:
-        """Back to op by op after unchecked steps: the generators moved unseen meanwhile. Their
-        last known state is kept only where a user's seeding call explains the change."""
-        for t in self._generators.tracked():
-            calls = self._seeds.since(t.seed_mark, t.ident.device)
-            if not any(not c.by_torch for c in calls):
-                t.last_after = None
-
-    def _probe_generators(self, devices: tuple[str, ...]) -> tuple[Any, ...]:
-        """The generators a checkpoint region can draw from: the defaults of the CPU and of the
-        region's devices, and the user generators used most recently (one tuple per device set
-        while the registry adds nothing)."""
-        registry = self._generators
-        key = (devices, registry.version)
-        found = self._probe_cache.get(key)
-        if found is None:
-            out: list[Any] = []
-            for device in ("cpu", *devices):
-                t = registry.default(torch.device(device))
-                if t is not None and t not in out:
-                    out.append(t)
-            found = tuple(out + registry.recent_users(_PROBED_USERS))
-            if len(self._probe_cache) > 64:
-                self._probe_cache.clear()
-            self._probe_cache[(devices, registry.version)] = found  # default() may have added
-        return found
-
-    def _step_of(self, seq: int) -> int:
-        """The optimizer step (1-based) that drew random op ``seq``; the current one for -1."""
-        ends = self._step_ends
-        if seq < 0:
-            return len(ends) + (0 if self._in_step_hook else 1)
-        return ends.step_of(seq)
-
     # -- results -------------------------------------------------------------------------------
 
     @property
@@ -677,8 +427,9 @@ class RNGConsistencyMode:
         r.random_ops = self._window.total
         r.ops_by_name = dict(self._window.by_op)
         r.ops_by_generator = dict(self._window.by_generator)
-        if self._step_ends:
-            r.meta["optimizer_steps"] = len(self._step_ends)
+        steps = self._steps
+        if steps.ended:
+            r.meta["optimizer_steps"] = len(steps.ended)
         elif any(f.first_step for f in r.findings):  # no optimizer steps: no step to tell
             r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
         if self.recompute_tracker is not None:
@@ -689,18 +440,18 @@ class RNGConsistencyMode:
             r.meta["inferred_recompute"] = dict(self._inferred.stats)
         if self._compiled is not None and self._compiled.stats["forward_draws"]:
             r.meta["compiled"] = dict(self._compiled.stats)
-        if self._schedule is not None:
-            levels = self._schedule.summary()
+        if steps.schedule is not None:
+            levels = steps.schedule.summary()
             if self._probe is not None:
                 levels["checkpoint_probe"] = dict(self._probe.stats)
-            levels["drifted_at_steps"] = list(self._drifts) + (
-                [self._late_drift] if self._late_drift else []
+            levels["drifted_at_steps"] = list(steps.drifts) + (
+                [steps.late_drift] if steps.late_drift else []
             )
-            levels["stayed_op_level_steps"] = self._stuck_steps
+            levels["stayed_op_level_steps"] = steps.stuck_steps
             if self._ranks is not None:  # orders drawn as passes over the data began (passes.py)
                 levels["data_passes_compared"] = self._ranks.passes_compared
             # Switches held back while a checkpointed forward waited for its recompute.
-            levels["postponed_switches"] = self._postponements
+            levels["postponed_switches"] = steps.postponements
             r.meta["level"] = levels
         notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
         for site, (count, stack, op) in self._recorder.backward_sites.items():
@@ -724,28 +475,28 @@ class RNGConsistencyMode:
             notes += [sketch_note(hook, count) for hook, count in self._recorder.hook_draws.items()]
         if self._ranks is not None:
             notes.extend(self._ranks.notes())
-        if self._drifts:
-            steps = ", ".join(map(str, self._drifts[:8])) + (
-                ", ..." if len(self._drifts) > 8 else ""
+        if steps.drifts:
+            drifted = ", ".join(map(str, steps.drifts[:8])) + (
+                ", ..." if len(steps.drifts) > 8 else ""
             )
             notes.append(
                 Note(
                     kind="step_level_drift",
                     message=(
                         f"generators drifted apart across ranks between sampled steps (seen at "
-                        f"step(s) {steps}); the following steps were checked op by op, where the "
+                        f"step(s) {drifted}); the following steps were checked op by op, where the "
                         "op level judged them (a data-parallel program may draw per-rank amounts "
                         "on purpose)."
                     ),
-                    count=len(self._drifts),
+                    count=len(steps.drifts),
                 )
             )
-        if self._late_drift:
+        if steps.late_drift:
             notes.append(
                 Note(
                     kind="step_level_drift",
                     message=(
-                        f"generators drifted apart across ranks at step {self._late_drift}, "
+                        f"generators drifted apart across ranks at step {steps.late_drift}, "
                         "between sampled steps, in the last steps of the run: it ended before a "
                         "step could be checked op by op, so what drew differently is not named "
                         "(a data-parallel program may draw per-rank amounts on purpose)."
