@@ -1,10 +1,12 @@
 """RNGConsistencyMode: the public checker and the one place that composes the rest.
 
-It owns the configuration, the events and the report, pushes the private dispatch mode
-(``core/dispatch.py``) that only intercepts, and hands each check a small handle
-(``core/handle.py``), never itself. Data flows one way: op -> event (``core``) -> checks
-(``recompute``, ``ranks``) -> finding -> sink and report (``output``) -> render. This module is
-also the one place that knows the active mode.
+It owns the configuration, the events, the report and the lifecycle: it pushes the private
+dispatch mode (``core/dispatch.py``) that only intercepts, starts the checks and hands each a small
+handle (``core/handle.py``), never itself, and builds its parts (``session/``) and wires the checks
+into them: the recorder (random ops: the hot path), the step control (the optimizer-step hook and
+the level of each step) and the report's close (``closing.py``). Data flows one way: op -> event
+(``core``) -> checks (``recompute``, ``ranks``) -> finding -> sink and report (``output``) ->
+render. This module is also the one place that knows the active mode.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from .core.rank_check import RankCheck
 from .core.seeding import SeedCallLog
 from .output.report import Report
 from .output.sink import FindingSink
-from .output.trace import TraceFeed, write_trace
+from .output.trace import TraceFeed
 from .recompute.compiled import CompiledRecomputes
 from .recompute.held import HeldFindings
 from .recompute.inferred import InferredRecomputes
 from .recompute.probe import StateProbe
 from .recompute.tracker import RecomputeTracker
+from .session.closing import finalize, write_outputs
 from .session.recorder import Recorder
 from .session.steps import StepControl
 
@@ -43,15 +46,6 @@ log = logging.getLogger(__name__)
 
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
-# Rebuilt at every read of the report.
-_DERIVED_NOTES = (
-    "backward_random_ops",
-    "comm_hook_random_ops",
-    "findings_dropped",
-    "learnt",
-    "not_compared",
-    "step_level_drift",
-)
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -313,7 +307,7 @@ class RNGConsistencyMode:
                 self._xla = None
             self._seeds.uninstall()
             self._finalize_report()
-            self._write_outputs()
+            write_outputs(self._report, self._window, self.config, self._trace)
             self._sink.close()
         finally:
             with _ACTIVE_LOCK:
@@ -423,95 +417,18 @@ class RNGConsistencyMode:
 
     def _finalize_report(self) -> None:
         """Bring the report's counters and derived notes up to date (reading never adds twice)."""
-        r = self._report
-        r.random_ops = self._window.total
-        r.ops_by_name = dict(self._window.by_op)
-        r.ops_by_generator = dict(self._window.by_generator)
-        steps = self._steps
-        if steps.ended:
-            r.meta["optimizer_steps"] = len(steps.ended)
-        elif any(f.first_step for f in r.findings):  # no optimizer steps: no step to tell
-            r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
-        if self.recompute_tracker is not None:
-            r.meta["recompute"] = dict(self.recompute_tracker.stats)
-        if self._ranks is not None:
-            self._ranks.publish()
-        if self._inferred is not None and self._inferred.stats["regions"]:
-            r.meta["inferred_recompute"] = dict(self._inferred.stats)
-        if self._compiled is not None and self._compiled.stats["forward_draws"]:
-            r.meta["compiled"] = dict(self._compiled.stats)
-        if steps.schedule is not None:
-            levels = steps.schedule.summary()
-            if self._probe is not None:
-                levels["checkpoint_probe"] = dict(self._probe.stats)
-            levels["drifted_at_steps"] = list(steps.drifts) + (
-                [steps.late_drift] if steps.late_drift else []
-            )
-            levels["stayed_op_level_steps"] = steps.stuck_steps
-            if self._ranks is not None:  # orders drawn as passes over the data began (passes.py)
-                levels["data_passes_compared"] = self._ranks.passes_compared
-            # Switches held back while a checkpointed forward waited for its recompute.
-            levels["postponed_switches"] = steps.postponements
-            r.meta["level"] = levels
-        notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
-        for site, (count, stack, op) in self._recorder.backward_sites.items():
-            notes.append(
-                Note(
-                    kind="backward_random_ops",
-                    message=(
-                        f"{count} random op(s) ({op}) ran during backward at {site}, outside any "
-                        "checkpoint region rngcheck knows and re-running no random op of the "
-                        "forward. Fresh randomness in backward is how rematerialised graphs "
-                        "redraw dropout (pytorch issue 190758); if this is a recompute, mark it "
-                        "with rngcheck.checkpoint_region."
-                    ),
-                    count=count,
-                    stack=stack,
-                )
-            )
-        if self._recorder.hook_draws:
-            from .ranks.explain import sketch_note
-
-            notes += [sketch_note(hook, count) for hook, count in self._recorder.hook_draws.items()]
-        if self._ranks is not None:
-            notes.extend(self._ranks.notes())
-        if steps.drifts:
-            drifted = ", ".join(map(str, steps.drifts[:8])) + (
-                ", ..." if len(steps.drifts) > 8 else ""
-            )
-            notes.append(
-                Note(
-                    kind="step_level_drift",
-                    message=(
-                        f"generators drifted apart across ranks between sampled steps (seen at "
-                        f"step(s) {drifted}); the following steps were checked op by op, where the "
-                        "op level judged them (a data-parallel program may draw per-rank amounts "
-                        "on purpose)."
-                    ),
-                    count=len(steps.drifts),
-                )
-            )
-        if steps.late_drift:
-            notes.append(
-                Note(
-                    kind="step_level_drift",
-                    message=(
-                        f"generators drifted apart across ranks at step {steps.late_drift}, "
-                        "between sampled steps, in the last steps of the run: it ended before a "
-                        "step could be checked op by op, so what drew differently is not named "
-                        "(a data-parallel program may draw per-rank amounts on purpose)."
-                    ),
-                )
-            )
-        if self._sink.dropped:
-            notes.append(
-                Note(
-                    kind="findings_dropped",
-                    message=f"{self._sink.dropped} further finding(s) were not kept.",
-                    count=self._sink.dropped,
-                )
-            )
-        r.notes = notes
+        finalize(
+            self._report,
+            self._window,
+            self._recorder,
+            self._steps,
+            tracker=self.recompute_tracker,
+            inferred=self._inferred,
+            compiled=self._compiled,
+            probe=self._probe,
+            ranks=self._ranks,
+            dropped=self._sink.dropped,
+        )
 
     def _move_outputs(self, report_path: str | None, trace: str | None) -> None:
         """Write this rank's report and trace elsewhere (RNGCHECK=1 learns a process's rank at
@@ -526,34 +443,6 @@ class RNGConsistencyMode:
         meta.setdefault("rank", self._report.rank)
         meta.setdefault("world_size", self._report.world_size)
         return meta
-
-    def _write_outputs(self) -> None:
-        if self.config.report_path:
-            # A saved report is read after the run: keep the events around each finding with it.
-            around = self._window.around
-            self._report.findings = [
-                f if f.context or f.seq < 0 else replace(f, context=tuple(around(f.seq)))
-                for f in self._report.findings
-            ]
-            try:
-                self._report.save(self.config.report_path)
-            except OSError as e:
-                self._output_failed("report", self.config.report_path, e)
-        if self.config.trace:
-            try:
-                # The whole stream, streamed to disk as it ran, not just the window.
-                stream = self._trace.stream() if self._trace is not None else []
-                write_trace(self.config.trace, stream, self._report)
-            except OSError as e:
-                self._output_failed("trace", self.config.trace, e)
-
-    @staticmethod
-    def _output_failed(what: str, path: str, error: OSError) -> None:
-        from .core.findings import RNGCheckWarning
-
-        warnings.warn(
-            f"rngcheck could not write its {what} to {path}: {error}", RNGCheckWarning, stacklevel=4
-        )
 
     def _coverage_gap(self, what: str) -> None:
         """Something rngcheck was asked to check and cannot: a loud warning and a report note,

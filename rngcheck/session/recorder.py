@@ -49,10 +49,9 @@ from ..recompute.compiled import CompiledRecomputes
 from ..recompute.inferred import InferredRecomputes, driver_frame
 from ..recompute.torch_hooks import checkpoint_frame_on_stack
 from ..recompute.tracker import RecomputeTracker
+from .closing import MAX_NOTE_SITES
 
-__all__ = ["MAX_NOTE_SITES", "Recorder"]
-
-MAX_NOTE_SITES = 64  # distinct sites a note keeps (backward draws; steps.py: drifted steps)
+__all__ = ["Recorder"]
 
 
 class Recorder:

@@ -31,7 +31,7 @@ from ..recompute.held import HeldFindings
 from ..recompute.inferred import InferredRecomputes
 from ..recompute.probe import StateProbe
 from ..recompute.tracker import RecomputeTracker
-from .recorder import MAX_NOTE_SITES
+from .closing import MAX_NOTE_SITES
 
 __all__ = ["Lead", "StepControl"]
 
