@@ -1,64 +1,44 @@
 """RNGConsistencyMode: the public checker and the one place that composes the rest.
 
-It owns the configuration, the events and the report, pushes the private dispatch mode
-(``core/dispatch.py``) that only intercepts, and hands each check a small handle
-(``core/handle.py``), never itself. Data flows one way: op -> event (``core``) -> checks
-(``recompute``, ``ranks``) -> finding -> sink and report (``output``) -> render. This module is
-also the one place that knows the active mode.
+It owns the configuration, the events, the report and the lifecycle: it pushes the private
+dispatch mode (``core/dispatch.py``) that only intercepts, starts the checks and hands each a small
+handle (``core/handle.py``), never itself, and builds its parts (``session/``) and wires the checks
+into them: the recorder (random ops: the hot path), the step control (the optimizer-step hook and
+the level of each step) and the report's close (``closing.py``). Data flows one way: op -> event
+(``core``) -> checks (``recompute``, ``ranks``) -> finding -> sink and report (``output``) ->
+render. This module is also the one place that knows the active mode.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import threading
 import warnings
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
-
-from .core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from .core.config import Config, check_writable
-from .core.digest import tensor_digest
 from .core.dispatch import Interceptor
-from .core.events import (
-    BACKWARD,
-    FORWARD,
-    RECOMPUTE,
-    EventWindow,
-    OutOfBandChange,
-    Phase,
-    RandomOpEvent,
-)
+from .core.events import EventWindow, RandomOpEvent
 from .core.findings import Finding, Note, RNGCheckCoverageWarning
 from .core.generators import GeneratorRegistry
 from .core.handle import CheckerHandle
-from .core.ops import (
-    OpKind,
-    op_device,
-    op_generator,
-    op_name,
-    summarize_args,
-    writes_first_argument,
-)
-from .core.policy import current_expectation
-from .core.schedule import StepEnds, StepSchedule
+from .core.rank_check import RankCheck
 from .core.seeding import SeedCallLog
-from .core.stacks import Stack, user_frame
 from .output.report import Report
 from .output.sink import FindingSink
-from .output.trace import TraceFeed, write_trace
+from .output.trace import TraceFeed
 from .recompute.compiled import CompiledRecomputes
 from .recompute.held import HeldFindings
-from .recompute.inferred import InferredRecomputes, driver_frame
+from .recompute.inferred import InferredRecomputes
 from .recompute.probe import StateProbe
-from .recompute.torch_hooks import checkpoint_frame_on_stack
 from .recompute.tracker import RecomputeTracker
+from .session.closing import finalize, write_outputs
+from .session.recorder import Recorder
+from .session.steps import StepControl
 
 __all__ = ["RNGConsistencyMode", "active_mode", "exchange_stats", "run_checked"]
 
@@ -66,18 +46,6 @@ log = logging.getLogger(__name__)
 
 _ACTIVE: RNGConsistencyMode | None = None
 _ACTIVE_LOCK = threading.Lock()
-_MAX_NOTE_SITES = 64
-_TAKEOVER = 16  # steps of another optimizer, with none of the lead's, that make it the lead
-# Rebuilt at every read of the report.
-_DERIVED_NOTES = (
-    "backward_random_ops",
-    "comm_hook_random_ops",
-    "findings_dropped",
-    "learnt",
-    "not_compared",
-    "step_level_drift",
-)
-_PROBED_USERS = 8  # user generators a checkpoint region's probe reads at the step level
 
 
 def active_mode() -> RNGConsistencyMode | None:
@@ -199,67 +167,46 @@ class RNGConsistencyMode:
                 )
         self.console = console
         self._report = Report()
-        # Random ops drawn by the end of each optimizer step: a finding's step.
-        self._step_ends = StepEnds()
-        self._in_step_hook = False
-        self._sink = FindingSink(
-            self._report, on_finding, console, ignore=self.config.ignore, step=self._step_of
-        )
         self._window = EventWindow(size=window)
         self._generators = GeneratorRegistry()
         self._seeds = SeedCallLog()
+        # The optimizer-step hook and the level of each step (and so a finding's step).
+        self._steps = StepControl(self.config, self._window, self._generators, self._seeds)
+        self._sink = FindingSink(
+            self._report, on_finding, console, ignore=self.config.ignore, step=self._steps.step_of
+        )
         self._interceptor: Interceptor | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
         self._compiled: CompiledRecomputes | None = None
-        self._graph_hook = CompiledGraphHook(self._on_compiled_graph)
         self._step_hook: Any = None
-        self._ranks: Any = None
+        self._ranks: RankCheck | None = None
         self._trace: TraceFeed | None = None
         self._ended_by: BaseException | None = None  # what ended the block (at __exit__)
         self._xla: Any = None  # torch_xla's checkpoint patch, once torch_xla is imported
         self._xla_loaded = False
         self._entered = False
         self._pid = os.getpid()
-        self._backward_sites: dict[str, list[Any]] = {}
-        self._hook_draws: dict[Any, int] = {}  # communication hook -> its random ops in backward
-        self._unseen_checkpoint = False  # warned once that a checkpoint region went unseen
-        # level="step": which steps run op by op, the checkpoint probe between them, and what
-        # the step level saw (escalations wished for here, drifts the ranks agreed on).
-        cfg = self.config
-        self._schedule = (
-            StepSchedule(cfg.sample_every, cfg.sample_first) if cfg.level == "step" else None
-        )
+        self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
+        # level="step": the checkpoint probe between sampled steps, and its findings, held until
+        # a step checked op by op names them
         self._probe: StateProbe | None = None
-        # level="step": the probe's findings, held until a step checked op by op names them
         self._held = (
-            HeldFindings(self._sink.emit, lambda: self._step_of(-1))
-            if self._schedule is not None
+            HeldFindings(self._sink.emit, lambda: self._steps.step_of(-1))
+            if self.config.level == "step"
             else None
         )
-        self._probe_cache: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        self._want_escalation = False
-        self._drifts: list[int] = []  # steps whose generators drifted apart across ranks
-        self._late_drift = 0  # a drift the last round showed, after the last step
-        self._stuck_steps = 0  # steps that stayed op by op (another dispatch mode above ours)
         self._passes: Any = None  # across ranks: each data pass's first batch op by op (passes.py)
-        self._in_pass_window = False
-        # A training step ends at a step of the lead optimizer (see _on_step); the others that
-        # stepped since its last step, held weakly.
-        self._lead: weakref.ReferenceType[Any] | None = None
-        # Across ranks: the lead's parameters, when it trains a data-parallel wrapper's or a
-        # pipeline stage's (read as it became the lead; see _takes_over), else None.
-        self._lead_replicas: weakref.WeakSet[Any] | None = None
-        # id -> (the optimizer, weakly; its steps since the lead's last step)
-        self._since_lead: dict[int, tuple[weakref.ReferenceType[Any], int]] = {}
-        self._thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
-        # A level switch held back while a checkpointed forward waits for its recompute:
-        # (op level, rebased slots), applied at the next optimizer step with none waiting.
-        self._postponed: tuple[bool, tuple[int, ...]] | None = None
-        self._postponements = 0
-        # The last switch went between samples with no drifted slot, and it held: a switch
-        # that stays there has nothing to change (the common step at level="step").
-        self._between = False
+        # The random-op path: the hot path, with its own references to the checks (see _wire).
+        self._recorder = Recorder(
+            self._window,
+            self._generators,
+            self._seeds,
+            self.config.expect,
+            self._coverage_gap,
+            self._load_xla,
+        )
+        self._wire()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -289,30 +236,31 @@ class RNGConsistencyMode:
             self._seeds.install()
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._step_hook = register_optimizer_step_post_hook(self._on_step)
+            self._step_hook = register_optimizer_step_post_hook(self._steps.on_step)
             if self.config.check_recompute:
                 held = self._held
                 emit = held.op_by_op if held is not None else self._sink.emit
-                self.recompute_tracker = RecomputeTracker(emit, self._record_cached)
+                self.recompute_tracker = RecomputeTracker(emit, self._recorder.record_cached)
                 self.recompute_tracker.install()
                 for gap in self.recompute_tracker.coverage_gaps:
                     self._coverage_gap(gap)
                 self._inferred = InferredRecomputes(emit, self.config.window)
                 self._compiled = CompiledRecomputes(emit)
                 if held is not None:
+                    steps = self._steps
                     self._probe = StateProbe(
-                        self._probe_generators, held.between_samples, self._request_escalation
+                        steps.probe_generators, held.between_samples, steps.request_escalation
                     )
                     self.recompute_tracker.probe = self._probe
             self._load_xla()
             self._ranks = self._start_ranks()
             if self.config.trace:
                 self._trace = TraceFeed(self.config.trace, self._trace_meta)
-            self._graph_hook.install()
-            self._interceptor = Interceptor(self._on_special)
+            self._recorder.graph_hook.install()
+            self._interceptor = Interceptor(self._recorder.on_special)
+            self._wire()
             self._interceptor.__enter__()
-            if self._schedule is not None:
-                self._schedule.start()
+            self._steps.start()
         except BaseException:
             self._teardown()
             raise
@@ -324,12 +272,13 @@ class RNGConsistencyMode:
             if self._interceptor is not None:
                 self._interceptor.__exit__(exc_type, exc, tb)
                 self._interceptor = None
+                self._wire()
             # The final exchange only when the block ended normally: after an exception, other
             # ranks may never arrive, and the user's exception is the one to see.
             if self._ranks is not None and exc_type is None:
                 last = self._ranks.finish()
                 if last is not None and last.drifted:  # too late to check a step op by op
-                    self._late_drift = last.step
+                    self._steps.late_drift = last.step
             if self._held is not None:  # (after an exception: recorded, not raised)
                 self._held.close(raising=exc_type is None)
         finally:
@@ -341,7 +290,8 @@ class RNGConsistencyMode:
             if self._interceptor is not None:
                 self._interceptor.__exit__(None, None, None)
                 self._interceptor = None
-            self._graph_hook.uninstall()
+                self._wire()
+            self._recorder.graph_hook.uninstall()
             if self._passes is not None:
                 self._passes.uninstall()
                 self._passes = None
@@ -357,7 +307,7 @@ class RNGConsistencyMode:
                 self._xla = None
             self._seeds.uninstall()
             self._finalize_report()
-            self._write_outputs()
+            write_outputs(self._report, self._window, self.config, self._trace)
             self._sink.close()
         finally:
             with _ACTIVE_LOCK:
@@ -380,6 +330,19 @@ class RNGConsistencyMode:
                 self._xla = XlaCheckpointPatch(self.recompute_tracker).install()
         return self._xla_loaded
 
+    def _wire(self) -> None:
+        """Hand the parts the checks, the trace and the interceptor as the mode now holds them
+        (at construction, at ``__enter__``, when the rank check starts, when the interceptor is
+        popped): they read their own references, never the mode's."""
+        rec, steps = self._recorder, self._steps
+        rec.tracker = steps.tracker = self.recompute_tracker
+        rec.inferred = steps.inferred = self._inferred
+        rec.ranks = steps.ranks = self._ranks
+        rec.interceptor = steps.interceptor = self._interceptor
+        rec.pid = steps.pid = self._pid
+        rec.compiled, rec.trace = self._compiled, self._trace
+        steps.held, steps.probe, steps.thread = self._held, self._probe, self._thread
+
     def _handle(self) -> CheckerHandle:
         def identify(rank: int, world: int) -> None:
             self._report.rank, self._report.world_size = rank, world
@@ -393,55 +356,21 @@ class RNGConsistencyMode:
             coverage=self._coverage_gap,
         )
 
-    def _start_ranks(self) -> Any:
+    def _start_ranks(self) -> RankCheck | None:
         if self.config.sync == "off":
             return None
         from .ranks.startup import start
 
-        ranks = start(self._handle())
+        # Typed: here mypy proves that the RankChecker start() returns is a RankCheck.
+        ranks: RankCheck | None = start(self._handle())
         if ranks is not None:
             self._sink.renders = ranks.renders  # one merged rendering across ranks
-            if self._schedule is not None:
+            if self._steps.schedule is not None:
                 from .ranks.passes import PassStarts
 
-                self._passes = PassStarts(self._pass_window)
+                self._passes = PassStarts(self._steps.pass_window)
                 self._passes.install()
         return ranks
-
-    @contextlib.contextmanager
-    def _pass_window(self) -> Iterator[None]:
-        """level="step", between samples: a DataLoader iterator asks its sampler for a pass's
-        first indices (passes.py). Op by op on this thread meanwhile, so the rank checker sees
-        the order the sampler draws; user generators first met here are forgotten after (a
-        sampler may make one per pass, as torch's DistributedSampler does: not read at every
-        step from then on)."""
-        ranks, interceptor = self._ranks, self._interceptor
-        if (
-            self._in_pass_window
-            or ranks is None
-            or interceptor is None
-            or not ranks.wants_passes
-            or threading.get_ident() != self._thread
-            or os.getpid() != self._pid
-        ):
-            yield
-            return
-        resumed = interceptor.suspended  # (else another mode above ours kept it on the stack)
-        if resumed:
-            interceptor.resume()
-        self._in_pass_window = True
-        known = self._generators.user_count
-        try:
-            if resumed:
-                self._after_gap()
-            ranks.pass_window(True)
-            yield
-        finally:
-            ranks.pass_window(False)
-            self._generators.forget_after(known)
-            self._in_pass_window = False
-            if resumed:
-                interceptor.suspend()
 
     def bind_distributed(self) -> None:
         """Start the cross-rank checks now that torch.distributed is initialised.
@@ -452,7 +381,8 @@ class RNGConsistencyMode:
         """
         if self._entered and self._ranks is None:
             self._ranks = self._start_ranks()
-            self._between = False  # the next switch tells the new checker the level, in full
+            self._wire()
+            self._steps.between = False  # the next switch tells the new checker the level, in full
             # The splits drawn before it, compared from here on: only from a window that still
             # holds every op drawn before (a rank that dropped some could not tell its splits).
             if self._ranks is not None and self._window.total == len(self._window.events):
@@ -473,189 +403,6 @@ class RNGConsistencyMode:
         draws it, once)."""
         return self._sink.renders(finding)
 
-    def _on_step(self, optimizer: Any, *_: Any) -> None:
-        """The one optimizer-step hook: the checks' step work, in one order on every rank.
-
-        A training step ends at a step of the lead optimizer: the first one seen to step, until
-        another steps ``_TAKEOVER`` times without it in between (the lead stopped: a second
-        training stage with a new optimizer; a GAN's critic stepping 5 times per generator
-        step does not take over). A program that steps several optimizers per iteration (Muon
-        beside AdamW, a GAN's two networks, a wrapper around an inner optimizer, one optimizer
-        per parameter) runs one training step per iteration, not one per optimizer. The rule
-        reads only the order of the steps, the same on every rank (not when an optimizer is
-        garbage-collected, which may differ)."""
-        lead = self._lead() if self._lead is not None else None
-        if self._lead is None or (lead is not optimizer and self._takes_over(optimizer)):
-            self._lead = weakref.ref(optimizer)
-            ranks = self._ranks
-            self._lead_replicas = ranks.replicas_trained(optimizer) if ranks is not None else None
-        elif lead is not optimizer:
-            if (
-                self._postponed is not None
-                and threading.get_ident() == self._thread
-                and not self._regions_waiting()
-            ):
-                postponed, self._postponed = self._postponed, None
-                self._switch(*postponed)
-            return
-        self._since_lead.clear()
-        self._step_ends.end_step(self._window.total)
-        self._in_step_hook = True  # what is found here belongs to the step that just ended
-        interceptor = self._interceptor
-        ran_op_by_op = interceptor is not None and not interceptor.suspended
-        try:
-            if self._inferred is not None:
-                self._inferred.on_step()
-            if self._ranks is not None:
-                self._ranks.on_step(optimizer)
-            # (a step after a rank ran out of inputs in torch's Join counts on no rank: the
-            # ranks' schedules stay the same, and it runs at the level it began at)
-            apart = self._ranks is not None and self._ranks.apart
-            if self._schedule is not None and interceptor is not None and not apart:
-                self._next_step(self._schedule, interceptor)
-            if self._held is not None:  # last: its findings may raise
-                self._held.step_ended(len(self._step_ends), ran_op_by_op)
-        finally:
-            self._in_step_hook = False
-
-    def _takes_over(self, optimizer: Any) -> bool:
-        """Count a step of ``optimizer`` (not the lead) since the lead's last step; True when
-        it has now made ``_TAKEOVER`` of them."""
-        since = self._since_lead
-        known = since.get(id(optimizer))
-        count = known[1] + 1 if known is not None and known[0]() is optimizer else 1
-        if len(since) > 65536:  # a new optimizer per step, and a lead that stopped
-            since.clear()
-        since[id(optimizer)] = (weakref.ref(optimizer), count)
-        if count < _TAKEOVER:
-            return False
-        # Across ranks, an optimizer that one rank steps alone (a linear probe rank 0 trains for
-        # its logs) must not move that rank's training steps away from the others': where the
-        # lead trains a data-parallel wrapper's parameters, only one that does too takes over.
-        # Read from what the lead trained as it became the lead, never from whether it (or a
-        # wrapper) was garbage-collected since, which may differ across the ranks.
-        ranks, held = self._ranks, self._lead_replicas
-        return ranks is None or held is None or ranks.trains_replicas(optimizer, held)
-
-    # -- level="step" ------------------------------------------------------------------------
-
-    def _next_step(self, schedule: StepSchedule, interceptor: Interceptor) -> None:
-        """Decide how the coming step is checked (the same on every rank) and switch to it."""
-        want, self._want_escalation = self._want_escalation, False
-        sampled = schedule.current_op_level
-        # Across ranks: every ``every_steps``-th step (each step by default) and every sampled
-        # one (the baseline); the same steps on every rank.
-        if self._ranks is not None and (sampled or schedule.step % self.config.every_steps == 0):
-            verdict = self._ranks.step_level(
-                schedule.step, self._generators.tracked(), want, sampled
-            )
-            if verdict is not None and verdict.drifted and len(self._drifts) < _MAX_NOTE_SITES:
-                self._drifts.append(verdict.step)
-            schedule.escalate = verdict is not None and verdict.escalate
-        elif self._ranks is not None:  # escalating is agreed on: ask at the next exchange
-            verdict = None
-            self._want_escalation = want
-            schedule.escalate = False
-        else:
-            verdict = None
-            schedule.escalate = want
-        held, self._postponed = self._postponed, None
-        if self._ranks is None:
-            # The step that ends may have run at another level than decided (a switch held back
-            # or not possible on another thread): record what ran. (Across ranks the schedule
-            # stays the agreed one: it decides which collectives a rank posts.)
-            schedule.ran(op_level=not interceptor.suspended)
-        op_level = schedule.advance()
-        drifted = verdict.drifted if verdict is not None else ()
-        # In one process, a switch that would split a checkpointed forward from its recompute
-        # (a GAN steps its discriminator between them) waits for the next optimizer step, at
-        # most to the next training step. Not across ranks: what waits is each rank's own, and
-        # the level decides which collectives a rank posts; there such a recompute is unpaired.
-        if (
-            self._ranks is None
-            and held is None
-            and op_level is interceptor.suspended
-            and self._regions_waiting()
-        ):
-            self._postponed = (op_level, drifted)
-            self._postponements += 1
-            return
-        self._switch(op_level, drifted)
-
-    def _regions_waiting(self) -> bool:
-        tracker = self.recompute_tracker
-        return tracker is not None and tracker.waiting()
-
-    def _switch(self, op_level: bool, drifted: tuple[int, ...]) -> None:
-        """Check the coming steps op by op (``op_level``) or by generator states; ``drifted``:
-        the digest slots the ranks found drifted apart."""
-        interceptor = self._interceptor
-        if interceptor is None:
-            return
-        if self._between and not op_level and not drifted and interceptor.suspended:
-            return  # between samples, and staying there: what the last switch set holds
-        self._between = False
-        if self._ranks is not None:
-            self._ranks.set_checking(op_level, drifted)
-        if threading.get_ident() != self._thread:
-            # An optimizer stepped on another thread (one in backward, on an autograd device
-            # thread): the dispatch stack is per thread, so the level stays as it is.
-            if op_level is interceptor.suspended:
-                self._stuck_steps += 1
-            return
-        if op_level:
-            if interceptor.suspended:
-                interceptor.resume()
-                self._after_gap()
-            if self._probe is not None:
-                self._probe.active = False
-            self._seeds.quiet = False
-        elif interceptor.suspend():
-            if self._probe is not None:
-                self._probe.active = True
-            self._seeds.quiet = True
-            self._between = not drifted
-        else:
-            self._stuck_steps += 1  # another mode above ours: this step stays op by op
-
-    def _request_escalation(self) -> None:
-        """The checkpoint probe found a mismatch: check the next step op by op."""
-        self._want_escalation = True
-
-    def _after_gap(self) -> None:
-        """Back to op by op after unchecked steps: the generators moved unseen meanwhile. Their
-        last known state is kept only where a user's seeding call explains the change."""
-        for t in self._generators.tracked():
-            calls = self._seeds.since(t.seed_mark, t.ident.device)
-            if not any(not c.by_torch for c in calls):
-                t.last_after = None
-
-    def _probe_generators(self, devices: tuple[str, ...]) -> tuple[Any, ...]:
-        """The generators a checkpoint region can draw from: the defaults of the CPU and of the
-        region's devices, and the user generators used most recently (one tuple per device set
-        while the registry adds nothing)."""
-        registry = self._generators
-        key = (devices, registry.version)
-        found = self._probe_cache.get(key)
-        if found is None:
-            out: list[Any] = []
-            for device in ("cpu", *devices):
-                t = registry.default(torch.device(device))
-                if t is not None and t not in out:
-                    out.append(t)
-            found = tuple(out + registry.recent_users(_PROBED_USERS))
-            if len(self._probe_cache) > 64:
-                self._probe_cache.clear()
-            self._probe_cache[(devices, registry.version)] = found  # default() may have added
-        return found
-
-    def _step_of(self, seq: int) -> int:
-        """The optimizer step (1-based) that drew random op ``seq``; the current one for -1."""
-        ends = self._step_ends
-        if seq < 0:
-            return len(ends) + (0 if self._in_step_hook else 1)
-        return ends.step_of(seq)
-
     # -- results -------------------------------------------------------------------------------
 
     @property
@@ -670,94 +417,18 @@ class RNGConsistencyMode:
 
     def _finalize_report(self) -> None:
         """Bring the report's counters and derived notes up to date (reading never adds twice)."""
-        r = self._report
-        r.random_ops = self._window.total
-        r.ops_by_name = dict(self._window.by_op)
-        r.ops_by_generator = dict(self._window.by_generator)
-        if self._step_ends:
-            r.meta["optimizer_steps"] = len(self._step_ends)
-        elif any(f.first_step for f in r.findings):  # no optimizer steps: no step to tell
-            r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
-        if self.recompute_tracker is not None:
-            r.meta["recompute"] = dict(self.recompute_tracker.stats)
-        if self._ranks is not None:
-            self._ranks.publish()
-        if self._inferred is not None and self._inferred.stats["regions"]:
-            r.meta["inferred_recompute"] = dict(self._inferred.stats)
-        if self._compiled is not None and self._compiled.stats["forward_draws"]:
-            r.meta["compiled"] = dict(self._compiled.stats)
-        if self._schedule is not None:
-            levels = self._schedule.summary()
-            if self._probe is not None:
-                levels["checkpoint_probe"] = dict(self._probe.stats)
-            levels["drifted_at_steps"] = list(self._drifts) + (
-                [self._late_drift] if self._late_drift else []
-            )
-            levels["stayed_op_level_steps"] = self._stuck_steps
-            if self._ranks is not None:  # orders drawn as passes over the data began (passes.py)
-                levels["data_passes_compared"] = self._ranks.passes_compared
-            # Switches held back while a checkpointed forward waited for its recompute.
-            levels["postponed_switches"] = self._postponements
-            r.meta["level"] = levels
-        notes = [n for n in r.notes if n.kind not in _DERIVED_NOTES]
-        for site, (count, stack, op) in self._backward_sites.items():
-            notes.append(
-                Note(
-                    kind="backward_random_ops",
-                    message=(
-                        f"{count} random op(s) ({op}) ran during backward at {site}, outside any "
-                        "checkpoint region rngcheck knows and re-running no random op of the "
-                        "forward. Fresh randomness in backward is how rematerialised graphs "
-                        "redraw dropout (pytorch issue 190758); if this is a recompute, mark it "
-                        "with rngcheck.checkpoint_region."
-                    ),
-                    count=count,
-                    stack=stack,
-                )
-            )
-        if self._hook_draws:
-            from .ranks.explain import sketch_note
-
-            notes += [sketch_note(hook, count) for hook, count in self._hook_draws.items()]
-        if self._ranks is not None:
-            notes.extend(self._ranks.notes())
-        if self._drifts:
-            steps = ", ".join(map(str, self._drifts[:8])) + (
-                ", ..." if len(self._drifts) > 8 else ""
-            )
-            notes.append(
-                Note(
-                    kind="step_level_drift",
-                    message=(
-                        f"generators drifted apart across ranks between sampled steps (seen at "
-                        f"step(s) {steps}); the following steps were checked op by op, where the "
-                        "op level judged them (a data-parallel program may draw per-rank amounts "
-                        "on purpose)."
-                    ),
-                    count=len(self._drifts),
-                )
-            )
-        if self._late_drift:
-            notes.append(
-                Note(
-                    kind="step_level_drift",
-                    message=(
-                        f"generators drifted apart across ranks at step {self._late_drift}, "
-                        "between sampled steps, in the last steps of the run: it ended before a "
-                        "step could be checked op by op, so what drew differently is not named "
-                        "(a data-parallel program may draw per-rank amounts on purpose)."
-                    ),
-                )
-            )
-        if self._sink.dropped:
-            notes.append(
-                Note(
-                    kind="findings_dropped",
-                    message=f"{self._sink.dropped} further finding(s) were not kept.",
-                    count=self._sink.dropped,
-                )
-            )
-        r.notes = notes
+        finalize(
+            self._report,
+            self._window,
+            self._recorder,
+            self._steps,
+            tracker=self.recompute_tracker,
+            inferred=self._inferred,
+            compiled=self._compiled,
+            probe=self._probe,
+            ranks=self._ranks,
+            dropped=self._sink.dropped,
+        )
 
     def _move_outputs(self, report_path: str | None, trace: str | None) -> None:
         """Write this rank's report and trace elsewhere (RNGCHECK=1 learns a process's rank at
@@ -773,305 +444,11 @@ class RNGConsistencyMode:
         meta.setdefault("world_size", self._report.world_size)
         return meta
 
-    def _write_outputs(self) -> None:
-        if self.config.report_path:
-            # A saved report is read after the run: keep the events around each finding with it.
-            around = self._window.around
-            self._report.findings = [
-                f if f.context or f.seq < 0 else replace(f, context=tuple(around(f.seq)))
-                for f in self._report.findings
-            ]
-            try:
-                self._report.save(self.config.report_path)
-            except OSError as e:
-                self._output_failed("report", self.config.report_path, e)
-        if self.config.trace:
-            try:
-                # The whole stream, streamed to disk as it ran, not just the window.
-                stream = self._trace.stream() if self._trace is not None else []
-                write_trace(self.config.trace, stream, self._report)
-            except OSError as e:
-                self._output_failed("trace", self.config.trace, e)
-
-    @staticmethod
-    def _output_failed(what: str, path: str, error: OSError) -> None:
-        from .core.findings import RNGCheckWarning
-
-        warnings.warn(
-            f"rngcheck could not write its {what} to {path}: {error}", RNGCheckWarning, stacklevel=4
-        )
-
-    # -- the random-op path --------------------------------------------------------------------
-
-    def _on_special(self, kind: OpKind, func: Any, args: tuple, kwargs: dict) -> Any:
-        if os.getpid() != self._pid:
-            # A forked child (a DataLoader worker) inherits the pushed mode but not the rank
-            # group's peers: checking there would exchange from the wrong process and hang.
-            return func(*args, **kwargs)
-        if kind is OpKind.RANDOM:
-            return self._on_random(func, args, kwargs)
-        if self._ranks is not None:
-            self._ranks.on_collective(func, args)
-        return func(*args, **kwargs)
-
-    def _tracked(self, args: tuple, kwargs: dict, device: torch.device) -> Any:
-        """The registry entry of the generator an op draws from, or None (no adapter)."""
-        gen_arg = op_generator(args, kwargs)
-        if gen_arg is not None:
-            return self._generators.user(gen_arg, _first_use_site)
-        tracked = self._generators.default(device)
-        if tracked is None and device.type == "xla" and self._load_xla():
-            tracked = self._generators.default(device)  # torch_xla imported after the mode began
-        return tracked
-
-    def _event(
-        self,
-        op: str,
-        summary: tuple[str, ...],
-        tracked: Any,
-        stack: Stack | None = None,
-        **fields: Any,
-    ) -> RandomOpEvent:
-        tracker = self.recompute_tracker
-        return RandomOpEvent(
-            seq=self._window.total,
-            op=op,
-            generator=tracked.ident,
-            device=tracked.ident.device,
-            args=summary,
-            stack=stack if stack is not None else Stack.capture(),
-            expect=self._expectation(),
-            region=tracker.innermost() if tracker is not None else "",
-            **fields,
-        )
-
-    def _on_random(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        tracker = self.recompute_tracker
-        if tracker is not None:
-            tracker.recorded += 1  # seen by this mode (a SAC cache's observer compares it)
-        device = op_device(args, kwargs)
-        if device.type == "meta":
-            return func(*args, **kwargs)
-        tracked = self._tracked(args, kwargs, device)
-        if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
-            return func(*args, **kwargs)
-        before, oob, mark = self._before_draw(tracked)
-        out = func(*args, **kwargs)
-        after = tracked.read()
-        if after is not None and after == before:
-            # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a random-tagged
-            # kernel under no_grad and an untagged one with grad, so a reentrant recompute would
-            # "miss" it): not a draw of the program. The generator's last state stays as it was,
-            # so a change before this op is still seen at the next one that draws.
-            return out
-        call = compiled_call()
-        if call is not None:
-            # A compiled graph's draw (its first call, before the graph hook was in place): from
-            # now on its calls run with the mode set aside (see _on_compiled_graph).
-            self._graph_hook.install()
-            op, summary = f"compiled_graph.{call.kind}", tuple[str, ...]()
-        else:
-            op, summary = op_name(func), summarize_args(func, args, kwargs)
-            if tracker is not None and not tracker.active() and not self._unseen_checkpoint:
-                self._check_coverage(op)
-        mesh = written = None
-        if self._ranks is not None:
-            # A DTensor op is checked over its own mesh (DTensor's contract), not the mode's
-            # group; an in-place op's target tells a parameter's initialisation (replicated.py).
-            mesh = self._ranks.mesh_of(args, kwargs)
-            written = args[0] if args and writes_first_argument(func) else None
-        self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written)
-        return out
-
-    def _before_draw(self, tracked: Any) -> tuple[int | None, OutOfBandChange | None, int]:
-        """The generator's state before a draw, how it changed since its last draw, if it did,
-        and the seeding-call counter now."""
-        before = tracked.read()
-        oob = None
-        if before is not None and tracked.last_after is not None and before != tracked.last_after:
-            oob = self._out_of_band(tracked)
-        return before, oob, self._seeds.counter
-
-    def _drawn(
-        self,
-        op: str,
-        summary: tuple[str, ...],
-        tracked: Any,
-        before: int | None,
-        after: int | None,
-        oob: OutOfBandChange | None,
-        seed_mark: int,
-        out: Any,
-        call: CompiledCall | None,
-        mesh: Any = None,
-        written: Any = None,
-    ) -> None:
-        """A draw happened: note the generator's new state, build the event, and hand it on."""
-        tracked.last_after = after
-        tracked.seed_mark = seed_mark
-        if isinstance(tracked.handle, torch.Generator):
-            tracked.initial_seed = tracked.handle.initial_seed()
-        tracker = self.recompute_tracker
-        in_region = tracker is not None and tracker.active()
-        phase = self._phase()
-        stack = None
-        if call is not None and call.sources:
-            # The user's line of the graph's random op (its FX stack trace), not the generated
-            # code's: the stack up to the compiled function's call, then that line.
-            stack = Stack.capture(innermost=call.sources[0])
-        inferred = self._inferred
-        # A compiled graph's draw has no output of its own (its seeds, or the graph's outputs
-        # with saved activations): its generator's states are what is compared.
-        digest = call is None and (
-            in_region
-            or (
-                inferred is not None
-                and (phase is BACKWARD or (inferred.watching and inferred.watches(user_frame())))
-            )
-        )
-        event = self._event(
-            op,
-            summary,
-            tracked,
-            stack=stack,
-            before=before,
-            after=after,
-            phase=phase,
-            output=tensor_digest(out) if digest else None,
-            out_of_band=oob,
-            seed=tracked.initial_seed,
-            compiled=call.label if call is not None else "",
-        )
-        self._record(event, mesh, written, call)
-
-    def _on_compiled_graph(self, graph: Any, run: Callable[[], Any]) -> Any:
-        """A call of an inductor graph: it runs with this mode set aside (its kernels dispatched
-        from compiled code cost what they cost without the checker), and what it drew is read as
-        the generators' states before and after the call, like one random op."""
-        interceptor = self._interceptor
-        if interceptor is None or interceptor.suspended or os.getpid() != self._pid:
-            return run()
-        call = compiled_call(graph=graph) or CompiledCall(kind="forward", function=None, sources=())
-        devices = {"cpu", *(getattr(graph, "device_types", ()) or ())}
-        tracked = [
-            t for t in (self._generators.default(torch.device(d)) for d in sorted(devices)) if t
-        ]
-        befores = [self._before_draw(t) for t in tracked]
-        with interceptor.set_aside() as aside:
-            out = run()
-        if not aside:  # another mode above (AOT's first-call analyser): ops came through one by one
-            return out
-        for t, (before, oob, mark) in zip(tracked, befores, strict=True):
-            after = t.read()
-            if after is not None and after != before:
-                op = f"compiled_graph.{call.kind}"
-                self._drawn(op, (), t, before, after, oob, mark, out, call)
-        return out
-
-    def _check_coverage(self, op: str) -> None:
-        """A random op outside every region rngcheck knows: is a torch checkpoint running it?"""
-        if checkpoint_frame_on_stack():
-            self._unseen_checkpoint = True
-            self._coverage_gap(
-                f"a torch.utils.checkpoint region ran random ops ({op}) that rngcheck "
-                f"did not see begin, on torch {torch.__version__}: either the region started "
-                "before the mode was entered, or this torch runs checkpoint through code "
-                "rngcheck does not hook. Recomputes of such regions are not compared"
-            )
-
-    def _record_cached(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """A random op that a selective-checkpoint cache answered without running it."""
-        interceptor = self._interceptor
-        if interceptor is not None and interceptor.suspended:
-            return  # between sampled steps: no op is recorded (the probe checks the region)
-        tracked = self._tracked(args, kwargs, op_device(args, kwargs))
-        if tracked is not None:
-            event = self._event(
-                op_name(func),
-                summarize_args(func, args, kwargs),
-                tracked,
-                before=None,
-                after=None,
-                phase=RECOMPUTE,
-                cached=True,
-            )
-            self._record(event)
-
-    def _record(
-        self,
-        event: RandomOpEvent,
-        mesh: Any = None,
-        written: Any = None,
-        call: CompiledCall | None = None,
-    ) -> None:
-        self._window.add(event)
-        if self._trace is not None:
-            self._trace.add(event)
-        inferred, compiled = self._inferred, self._compiled
-        if event.phase is BACKWARD:
-            if call is not None and call.kind == "backward":
-                if compiled is not None:  # a compiled backward's draw: a recompute of the graph's
-                    compiled.on_backward(event, call)
-            # A hand-written checkpoint's recompute (compared there), or randomness that belongs
-            # in backward (a note).
-            elif inferred is None or not inferred.on_backward(event, driver_frame()):
-                self._note_backward(event)
-        elif event.phase is FORWARD and not event.region:
-            if call is not None and compiled is not None:
-                compiled.on_forward(event, call)
-            if inferred is not None:
-                inferred.on_forward(event)
-        if self.recompute_tracker is not None:
-            self.recompute_tracker.on_event(event)
-        if self._ranks is not None:  # "ignore" ops too: not compared, but they move generators
-            self._ranks.on_event(event, mesh, written)
-
-    def _phase(self) -> Phase:
-        tracker = self.recompute_tracker
-        if tracker is not None and tracker.in_recompute():
-            return RECOMPUTE
-        if torch._C._current_graph_task_id() != -1:
-            return BACKWARD
-        return FORWARD
-
-    def _expectation(self) -> str:
-        exp = current_expectation()
-        return exp.policy if exp is not None else self.config.expect
-
-    def _out_of_band(self, tracked: Any) -> OutOfBandChange:
-        calls = self._seeds.since(tracked.seed_mark, tracked.ident.device)
-        new_seed = None
-        handle = tracked.handle
-        if isinstance(handle, torch.Generator) and tracked.initial_seed is not None:
-            seed = handle.initial_seed()
-            if seed != tracked.initial_seed:
-                new_seed = seed
-        return OutOfBandChange(calls=calls, new_seed=new_seed)
-
     def _coverage_gap(self, what: str) -> None:
         """Something rngcheck was asked to check and cannot: a loud warning and a report note,
         once each, never silence (a user must not believe an unchecked run is clean)."""
         self._report.notes.append(Note(kind="not_checked", message=what))
         warnings.warn(f"rngcheck: {what}.", RNGCheckCoverageWarning, stacklevel=2)
-
-    def _note_backward(self, event: RandomOpEvent) -> None:
-        from .ranks.scopes import sketch
-
-        hook = sketch()
-        if hook is not None:  # randomness that belongs in backward: the gradient exchange's own
-            self._hook_draws[hook] = self._hook_draws.get(hook, 0) + 1
-            return
-        site = event.site
-        entry = self._backward_sites.get(site)
-        if entry is not None:
-            entry[0] += 1
-        elif len(self._backward_sites) < _MAX_NOTE_SITES:
-            self._backward_sites[site] = [1, event.stack, event.op]
-
-
-def _first_use_site() -> str:
-    site = Stack.capture().call_site
-    return site.short_location if site is not None else ""
 
 
 def run_checked(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:

@@ -17,7 +17,7 @@ _MAX_RANGES = 64  # op-level step ranges kept for the report (the first and the 
 @dataclass(slots=True)
 class StepSchedule:
     """The level of each training step. Step numbers count from 1; step ``n`` runs between the
-    ``n-1``-th and the ``n``-th step of the lead optimizer (the mode's ``_on_step``)."""
+    ``n-1``-th and the ``n``-th step of the lead optimizer (``session/steps.py``)."""
 
     sample_every: int
     sample_first: int
