@@ -63,7 +63,8 @@ class Detail:
     """What one rank tells the others about its op at the divergent position."""
 
     event: RandomOpEvent | None  # None: this rank ran no random op there
-    point: str  # where this rank joined the exchange, in words
+    point: str  # where this rank joined the exchange, in words (with its line)
+    reached: str = ""  # ... what it joined it at, without the line (the same text on every rank)
     seed_calls: tuple[SeedCall, ...] = ()  # the user's seeding calls that reached the generator
     uncompared: Uncompared | None = None
     wrappers: tuple[str, ...] = ()  # the data-parallel wrappers this rank knows (labels)
@@ -88,6 +89,7 @@ class Detail:
         return {
             "event": self.event.to_dict() if self.event is not None else None,
             "point": self.point,
+            "reached": self.reached,
             "seed_calls": [c.to_dict() for c in self.seed_calls],
             "uncompared": self.uncompared.to_dict() if self.uncompared is not None else None,
             "wrappers": list(self.wrappers),
@@ -107,6 +109,7 @@ class Detail:
         return cls(
             event=RandomOpEvent.from_dict(event) if event else None,
             point=str(data["point"]),
+            reached=str(data.get("reached", "")),
             seed_calls=tuple(SeedCall.from_dict(c) for c in data.get("seed_calls", [])),
             uncompared=Uncompared.from_dict(uncompared) if uncompared else None,
             wrappers=tuple(data.get("wrappers", ())),

@@ -16,7 +16,7 @@ from ..core.events import RandomOpEvent
 from ..core.findings import Finding, FindingKind
 from ..core.stacks import Stack
 from .detail import Detail
-from .findings import build_finding, init_finding, point_text
+from .findings import build_finding, init_finding, point_text, point_what
 from .generators import (
     GeneratorStates,
     count_key,
@@ -99,6 +99,7 @@ class Divergences:
             points = dict.fromkeys(points, sent.point)
         stack = sent.stack if sent.stack is not None else Stack.capture()
         where = point_text(points[self.rank], sent.where, stack)
+        reached = point_what(points[self.rank], sent.where)
         dropped: dict[int, set[int]] = {}  # rows at a line learnt by counts, per rank
         states, rank = self._states, self.rank
         self.apart, self.skipped = set(), set()
@@ -134,6 +135,7 @@ class Divergences:
             mine = Detail(
                 event=event,
                 point=where,
+                reached=reached,
                 seed_calls=self._seed_calls(event)
                 if event is not None and (init or index in taken.first_use)
                 else (),

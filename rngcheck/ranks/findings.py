@@ -4,22 +4,16 @@ position), so every rank builds the same finding and one of them draws it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from ..core.events import RandomOpEvent
 from ..core.findings import Finding, FindingKind, Side, format_ranks
 from ..core.stacks import Stack
-from .detail import Detail, Uncompared
-from .explain import (
-    apart_text,
-    has_advice,
-    order_advice,
-    order_what,
-    ranks_word,
-    uncompared_reasons,
-)
-from .generators import moved_apart, rank_groups, reseeded_by_user, seed_text
+from .causes import StateEvidence, state_cause
+from .detail import Detail
+from .explain import order_advice, order_what, ranks_word
+from .generators import rank_groups, reseeded_by_user, seed_text
 from .localise import Spot, extra_ops, in_order
 from .protocol import PEERS, Point, Row, gen_key
 from .step_digest import seeds_said
@@ -32,6 +26,7 @@ __all__ = [
     "replica_finding",
     "pass_order_finding",
     "point_text",
+    "point_what",
 ]
 
 _DATA_DIR = "/torch/utils/data/"
@@ -49,11 +44,16 @@ POINT_TEXT = {
 }
 
 
+def point_what(point: Point, where: str) -> str:
+    """``collective c10d.allreduce_.default``: what a rank joined an exchange at."""
+    if point is Point.COLLECTIVE:
+        return f"collective {where}"
+    return where or POINT_TEXT[point]
+
+
 def point_text(point: Point, where: str, stack: Stack) -> str:
     """``collective c10d.allreduce_.default at train.py:50``: where a rank joined an exchange."""
-    what = where or POINT_TEXT[point]
-    if point is Point.COLLECTIVE:
-        what = f"collective {where}"
+    what = point_what(point, where)
     site = stack.call_site
     return f"{what} at {site.short_location}" if site is not None and site.user else what
 
@@ -205,8 +205,8 @@ def _flow_finding(
                 "generator="
             )
         elif not ev.generator.is_default:
-            short = ev.generator.label.split(" (")[0]  # "Generator #1": named in full above
-            cause += f"; this advanced {short} on those ranks only"
+            # ("Generator #1": named in full above)
+            cause += f"; this advanced Generator #{ev.generator.number} on those ranks only"
     elif _same_call_site(sides):
         lead_event = sides[0].event
         assert lead_event is not None
@@ -338,7 +338,7 @@ def _describe(side: Side) -> str:
 
 
 def _points_finding(details: dict[int, Detail], domain: tuple) -> Finding:
-    groups = rank_groups({r: details[r].point.split(" at ")[0] for r in domain})
+    groups = rank_groups({r: details[r].reached for r in domain})
     ordered, labels = _labels(groups, len(groups) - 1)
     sides = tuple(
         Side(label=label, ranks=g, note=f"reached {details[g[0]].point}")
@@ -357,204 +357,6 @@ def _points_finding(details: dict[int, Detail], domain: tuple) -> Finding:
         ranks=tuple(domain),
         sides=sides,
     )
-
-
-def _ignored_text(
-    details: dict[int, Detail], odd: tuple[int, ...], ref: tuple[int, ...], gen: str
-) -> str:
-    """Random ops rngcheck does not compare (under expect("ignore"), in a data-parallel forward,
-    reading every rank's batches alone) that drew from the generator on some ranks only, or a
-    different number of times."""
-    parts = []
-    for ranks in (odd, ref):
-        ignored = details[ranks[0]].uncompared
-        if ignored:
-            parts.append(
-                f"{ranks_word(ranks)} drew {ignored.ops} random op(s) "
-                f"{uncompared_reasons(ignored)} from "
-                f"{gen} since its last checked op (the last: {ignored.op} at {ignored.site})"
-            )
-        else:
-            parts.append(f"{ranks_word(ranks)} drew none")
-    return (
-        "; ".join(parts) + ". Those ops are not compared, but they still advance the generator "
-        "the checked ops draw from: give them their own torch.Generator"
-    )
-
-
-@dataclass(frozen=True)
-class _StateEvidence:
-    """What a state divergence shows: the two sides, their seeding calls and uncompared ops."""
-
-    before_differs: bool
-    ref: Side
-    odd: Side
-    gen: str
-    seeds: dict[tuple[int, ...], str]
-    details: dict[int, Detail]
-
-    @property
-    def ev(self) -> RandomOpEvent:
-        assert self.odd.event is not None
-        return self.odd.event
-
-    @property
-    def odd_seeds(self) -> str:
-        return self.seeds[self.odd.ranks]
-
-    @property
-    def ref_seeds(self) -> str:
-        return self.seeds[self.ref.ranks]
-
-    def uncompared(self, side: Side) -> Uncompared | None:
-        return self.details[side.ranks[0]].uncompared
-
-
-@dataclass(frozen=True)
-class _StateCause:
-    name: str
-    when: Callable[[_StateEvidence], bool]
-    says: Callable[[_StateEvidence], str]
-    # Told as what the divergent side's ranks did (not a cause of every rank's: a split, seeds,
-    # the op's own arguments): it also says which other sides it fits, or what fits them.
-    of_side: bool = False
-
-
-def _drew_differently(e: _StateEvidence) -> str:
-    if e.ref.event is None:
-        return "the op itself drew differently"
-    return (
-        f"the op itself drew differently: arguments {', '.join(e.ref.event.args)} on "
-        f"{ranks_word(e.ref.ranks)} versus {', '.join(e.ev.args)} on {ranks_word(e.odd.ranks)}"
-    )
-
-
-def _seeded_differently(e: _StateEvidence) -> str:
-    return (
-        f"the ranks seeded {e.gen} differently: {ranks_word(e.ref.ranks)} {e.ref_seeds}; "
-        f"{ranks_word(e.odd.ranks)} {e.odd_seeds}. A seed that depends on the rank (seed + rank) "
-        "before building a replicated model makes replicas differ; seed every rank alike, and "
-        "scope per-rank streams with rngcheck.expect('differ')"
-    )
-
-
-def _order(details: Mapping[int, Detail]) -> Verdict | None:
-    """The scope that says every rank walks the order drawn at the divergent op, as any rank
-    says; None when none."""
-    return next((d.order for _, d in sorted(details.items()) if d.order is not None), None)
-
-
-def _split_order(e: _StateEvidence) -> str:
-    order = _order(e.details)
-    assert order is not None
-    apart = next((d.apart for _, d in sorted(e.details.items()) if d.apart), None)
-    ref = e.ref.event
-    seed_alike = ""
-    seeded = None  # a rank's draw, when the ranks seeded the generator differently
-    if apart is not None:
-        why = f"{apart_text(apart)}, and it differs across ranks from there"
-    elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
-        seeded = ref
-        if not has_advice(order):
-            seed_alike = ", or seed that generator alike on every rank"
-        why = (
-            f"it is seeded differently on each rank (initial seed {ref.seed} on "
-            f"{ranks_word(e.ref.ranks)}, {e.ev.seed} on {ranks_word(e.odd.ranks)})"
-        )
-    elif (moved := moved_apart(e.details)) is not None:
-        why = f"{apart_text(moved[1])}, and it differs across ranks from there"
-    else:
-        why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
-    what = order_what(order, e.gen)
-    advice = order_advice(order, seeded)
-    return f"{what} Why {e.gen} differs: {why}. {advice}{seed_alike}"
-
-
-# Why ranks that must hold the same state do not: the first row whose condition holds wins.
-STATE_CAUSES: tuple[_StateCause, ...] = (
-    _StateCause(
-        "an order every rank walks",
-        lambda e: e.before_differs and _order(e.details) is not None,
-        _split_order,
-    ),
-    _StateCause(
-        "the op drew differently",
-        lambda e: not e.before_differs,
-        _drew_differently,
-    ),
-    _StateCause(
-        "seeded differently",
-        lambda e: bool(e.odd_seeds and e.ref_seeds and e.odd_seeds != e.ref_seeds),
-        _seeded_differently,
-    ),
-    _StateCause(
-        "uncompared ops moved the generator",
-        lambda e: e.uncompared(e.odd) != e.uncompared(e.ref),
-        lambda e: _ignored_text(e.details, e.odd.ranks, e.ref.ranks, e.gen),
-        of_side=True,
-    ),
-    _StateCause(
-        "changed outside a random op",
-        lambda e: bool(e.odd_seeds),
-        lambda e: f"{ranks_word(e.odd.ranks)} changed {e.gen} outside a random op: {e.odd_seeds}",
-        of_side=True,
-    ),
-    _StateCause(
-        "changed out of band",
-        lambda e: e.ev.out_of_band is not None,
-        lambda e: (
-            f"{ranks_word(e.odd.ranks)}: {e.gen} "
-            f"{e.ev.out_of_band.describe() if e.ev.out_of_band else ''}"
-        ),
-        of_side=True,
-    ),
-    _StateCause(
-        "a user generator out of view",
-        lambda e: not e.ev.generator.is_default,
-        lambda e: (
-            f"{e.gen} is in a different state on {ranks_word(e.odd.ranks)}: it was seeded "
-            "differently or advanced on those ranks only, where rngcheck could not see it (before "
-            "the checker started, or by Generator.manual_seed / set_state)"
-        ),
-    ),
-    _StateCause(
-        "already differed",
-        lambda e: True,
-        lambda e: (
-            f"{e.gen} already differed when the checker first compared it: the ranks were "
-            "seeded differently (a seed that depends on the rank) or some drew random numbers "
-            "before the checker started"
-        ),
-    ),
-)
-
-
-def _cause_row(evidence: _StateEvidence) -> _StateCause:
-    return next(c for c in STATE_CAUSES if c.when(evidence))
-
-
-def _state_cause(evidence: _StateEvidence, others: Sequence[Side]) -> str:
-    """The cause, told of the divergent side; a cause told as what those ranks did also says
-    which other sides (ranks in a third state or more) it fits, or what fits them instead."""
-    row = _cause_row(evidence)
-    text = row.says(evidence)
-    if not others or not row.of_side:
-        return text
-    alike: list[int] = []
-    apart: list[str] = []
-    for side in others:
-        other = _cause_row(replace(evidence, odd=side))
-        if other is row:
-            alike += side.ranks
-        else:
-            apart.append(f"on {ranks_word(side.ranks)}, {other.name}")
-    text = text.rstrip(".")
-    if alike:
-        text += f". The same on {ranks_word(sorted(alike))}"
-    if apart:
-        told = "; ".join(apart)
-        text += f". {told[0].upper()}{told[1:]}"
-    return text
 
 
 def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, Detail]) -> Finding:
@@ -579,8 +381,8 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     ev = odd.event
     assert ev is not None and ref.event is not None
     gen = ev.generator.label
-    evidence = _StateEvidence(before_differs, ref, odd, gen, seeds, details)
-    cause = _state_cause(evidence, sides[2:])
+    evidence = StateEvidence(before_differs, ref, odd, gen, seeds, details)
+    cause = state_cause(evidence, sides[2:])
     what = "before" if before_differs else "after"
     if len(sides) > 2 and all(len(s.ranks) == 1 for s in sides):
         apart = f"{ranks_word(sorted(evs))} each hold a different state"
