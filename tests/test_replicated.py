@@ -135,6 +135,34 @@ def ddp_seed_plus_rank_without_init_sync(rank: int, world: int) -> dict[str, Any
     return _summary(mode, line=line)
 
 
+def _edited_mid_training(rank: int, level: str, edit_at: int | None) -> dict[str, Any]:
+    """DDP trained 12 steps at ``level`` (the step level samples steps 1-2, then every 5th);
+    at step ``edit_at`` rank 1 alone nudges a weight (no random op shows it; DDP averages the
+    gradients, not the weights, so the replicas stay apart)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    with scenario_mode(level=level, sample_every=5) as mode:
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(12):
+            model(torch.ones(2 + rank, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == edit_at and rank == 1:
+                with torch.no_grad():
+                    model.module[0].weight[0, 0] += 1.0
+    return _summary(mode, steps=[f.get("first_step") for f in mode.report.to_dict()["findings"]])
+
+
+def step_level_replicas_edited_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    return _edited_mid_training(rank, "step", edit_at=6)
+
+
+def step_level_replicas_left_alone(rank: int, world: int) -> dict[str, Any]:
+    return _edited_mid_training(rank, "step", edit_at=None)
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return run_scenarios(
@@ -144,7 +172,9 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "ddp_loaded_on_one_rank_with_init_sync",
             "dtensor_replicated_alike",
             "ddp_seed_plus_rank_without_init_sync",
+            "step_level_replicas_left_alone",
             "dtensor_replicated_apart",
+            "step_level_replicas_edited_on_one_rank",
             "ddp_loaded_on_one_rank_without_init_sync",
         ],
         world_size=2,
@@ -213,3 +243,21 @@ def test_initialisations_explain_a_difference_as_theirs(two: Any) -> None:
         assert r["compared"]["replicated_parameters"] == 2, r["compared"]
         assert r["compared"]["initialisations"] == 0, r["compared"]  # (explaining, not deciding)
     assert line
+
+
+def test_the_step_level_compares_replicas_again_at_sampled_steps(two: Any) -> None:
+    """At the step level the replicated parameters are compared again at each sampled step
+    (read at its first forward): a weight one rank nudged after step 7 is found at the next
+    sampled step, by its digest. Left alone, every sampled step compares them and stays quiet."""
+    for rank, r in two.ok("step_level_replicas_left_alone").items():
+        assert r["findings"] == [], (rank, r["findings"])
+        # the first step's two parameters, then again at (at least two) sampled steps
+        assert r["compared"]["replicated_parameters"] >= 2 * 3, r["compared"]
+    for rank, r in two.ok("step_level_replicas_edited_on_one_rank").items():
+        assert len(r["findings"]) == 1, (rank, r["findings"])
+        f = r["findings"][0]
+        assert f["message"].startswith(
+            "replicated parameters differ across ranks: module.0.weight holds different values "
+            "on rank 0 and rank 1"
+        ), f
+        assert len(r["steps"]) == 1 and 7 < r["steps"][0] <= 12, r["steps"]  # (sampled after)
