@@ -74,10 +74,11 @@ def assert_compared(
     """What one rank compared across the ranks (a summary's ``compared``), beside "no findings":
     at least ``at_least[kind]`` rows of each kind named (``by_state=3``: three rows compared by
     state; also by_what_runs, as_calls, among_peers, must_differ, initialisations,
-    initialisations_broadcast, step_rounds), and, where ``not_compared`` is given, the random
-    ops left uncompared for those reasons alone, at least so many for each (``{"own_batch":
-    3}``). A check that compared nothing is quiet, and so is one that exempts what it should
-    compare: this tells them from a correct run."""
+    initialisations_broadcast, initialisations_replaced, replicated_parameters, step_rounds),
+    and, where ``not_compared`` is given, the random ops left uncompared for those reasons
+    alone, at least so many for each (``{"own_batch": 3, "per_rank_seed": 3}``). A check that
+    compared nothing is quiet, and so is one that exempts what it should compare: this tells
+    them from a correct run."""
     from rngcheck.ranks.verdict import Reason
 
     assert found is not None, f"rank {rank}: no rank checker ran"

@@ -1649,39 +1649,60 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 # What each correct run compares across the ranks, beside what it leaves uncompared and why
 # (each rank's meta rank_compared: at least so many, for those reasons alone, see
-# _dist.assert_compared), and the per-rank stream its notes name (not counted there).
+# _dist.assert_compared), and the per-rank stream its notes name (its draws, per_rank_seed).
 
 
-def _ddp(own_batch: int, **at_least: int) -> dict[str, Any]:
-    """DDP over a Linear with dropout: its weight and bias broadcast, the dropout of its forward
-    at ``own_batch`` steps each rank's own; ``at_least`` compared beside."""
-    own = {"own_batch": own_batch}
-    return {**at_least, "initialisations_broadcast": 2, "not_compared": own}
+def _ddp(own_batch: int, per_rank_seed: int = 0, **at_least: int) -> dict[str, Any]:
+    """DDP over a Linear with dropout: its weight and bias broadcast, and compared by digest as
+    the replicated parameters they are; the dropout of its forward at ``own_batch`` steps each
+    rank's own; ``per_rank_seed`` draws from a per-rank stream; ``at_least`` compared beside."""
+    own = {"own_batch": own_batch, **({"per_rank_seed": per_rank_seed} if per_rank_seed else {})}
+    replicated = {"initialisations_broadcast": 2, "replicated_parameters": 2}
+    return {**at_least, **replicated, "not_compared": own}
 
+
+# GPT-2 from _hf's tiny config: DDP broadcasts its initialisations and holds its 28 parameters
+# (the output layer is the input embedding's) whole on every rank, compared by digest.
+_GPT2 = {"initialisations_broadcast": 1, "replicated_parameters": 28}
 
 QUIET: dict[str, tuple[dict[str, Any], str]] = {
     # Nothing replicated is drawn: DDP broadcasts GPT-2's initialisations, its dropout is each
-    # rank's own, and the data comes from a generator seeded per rank.
+    # rank's own, and the data comes from a generator seeded per rank (3 batches).
     "hf_ddp_same_seed_per_rank_data": (
-        {"initialisations_broadcast": 1, "not_compared": {"own_batch": 1}},
+        {**_GPT2, "not_compared": {"own_batch": 1, "per_rank_seed": 3}},
         "Generator #1 (cpu)",
     ),
-    # The three batches' tokens, each from a generator _hf.batch seeds alike on every rank.
+    # The three batches' tokens, each from a generator _hf.batch seeds alike on every rank; the
+    # noise and its dropout after training, from the default generator seeded per rank.
     "hf_ddp_seed_plus_rank": (
-        {"by_state": 3, "initialisations_broadcast": 1, "not_compared": {"own_batch": 1}},
+        {"by_state": 3, **_GPT2, "not_compared": {"own_batch": 1, "per_rank_seed": 2}},
         "default cpu",
     ),
-    # Nothing replicated is drawn: the inputs come from the default generator seeded per rank.
-    "ddp_dropout_masks_differ": (_ddp(3), "default cpu"),
+    # Nothing replicated is drawn: the inputs of the 3 steps come from the default generator
+    # seeded per rank.
+    "ddp_dropout_masks_differ": (_ddp(3, per_rank_seed=3), "default cpu"),
     # Nothing replicated is drawn (see test_a_model_moved_before_wrapping_is_still_known_...).
     "ddp_seed_plus_rank_model_moved_before_wrapping": (_ddp(2), ""),
     # DistributedDataParallel(module=...) is known: its model's initialisations are broadcast
-    # (nothing else is drawn).
-    "ddp_built_with_keywords": ({"initialisations_broadcast": 2, "not_compared": {}}, ""),
-    # The shuffle every rank draws from a generator seeded alike, at each of the 3 steps.
-    "ddp_per_rank_generator_variable_lengths": (_ddp(3, by_state=3), "Generator #1 (cpu)"),
-    "ddp_per_rank_generator_extra_draw": (_ddp(3, by_state=3), "Generator #1 (cpu)"),
-    "ddp_seed_plus_rank_crops_on_the_default_generator": (_ddp(3, by_state=3), "default cpu"),
+    # and its parameters compared as replicated (nothing else is drawn).
+    "ddp_built_with_keywords": (
+        {"initialisations_broadcast": 2, "replicated_parameters": 2, "not_compared": {}},
+        "",
+    ),
+    # The shuffle every rank draws from a generator seeded alike, at each of the 3 steps; the
+    # crops, from the per-rank stream (rank 1 draws from it twice a step in the extra draw's).
+    "ddp_per_rank_generator_variable_lengths": (
+        _ddp(3, per_rank_seed=3, by_state=3),
+        "Generator #1 (cpu)",
+    ),
+    "ddp_per_rank_generator_extra_draw": (
+        _ddp(3, per_rank_seed=3, by_state=3),
+        "Generator #1 (cpu)",
+    ),
+    "ddp_seed_plus_rank_crops_on_the_default_generator": (
+        _ddp(3, per_rank_seed=3, by_state=3),
+        "default cpu",
+    ),
     # The first epoch's DataLoader seed, before the dropout of 4 steps moved its generator apart.
     "ddp_dynamic_padding_under_dropout": (_ddp(4, by_state=1), ""),
     # The two epochs' orders from the sampler's generator, and the first DataLoader seed.
@@ -1689,29 +1710,35 @@ QUIET: dict[str, tuple[dict[str, Any], str]] = {
     # The first pass's DataLoader seed, which every rank draws (rank 0 alone reads the batches:
     # see test_batches_one_rank_reads_for_every_rank_are_its_own_and_said).
     "ddp_dispatched_batches_read_on_one_rank": (
-        {"by_state": 1, "initialisations_broadcast": 2},
+        {"by_state": 1, "initialisations_broadcast": 2, "replicated_parameters": 2},
         "",
     ),
     # The two passes' orders from the dataset's own generator, and the first DataLoader seed.
     "ddp_streamed_order_from_the_datasets_generator": (_ddp(4, by_state=3), ""),
     # The two epochs' orders of torch's DistributedSampler and the first DataLoader seed; the
     # collator's masks over each rank's 2 batches an epoch are its own (DDP was built before the
-    # mode: no initialisation to broadcast).
+    # mode: no initialisation to broadcast, but its parameters are compared as replicated).
     "ddp_collator_masks_each_ranks_own_batch": (
-        {"by_state": 3, "not_compared": {"own_share": 4}},
+        {"by_state": 3, "replicated_parameters": 2, "not_compared": {"own_share": 4}},
         "",
     ),
     # fully_shard broadcasts nothing: the Linear's two initialisations are compared at the
-    # first step.
+    # first step (its parameters are sharded, not replicated). The inputs of the 2 steps come
+    # from a generator seeded per rank.
     "fully_shard_same_seed_dropout": (
-        {"initialisations": 2, "not_compared": {"own_batch": 2}},
+        {"initialisations": 2, "not_compared": {"own_batch": 2, "per_rank_seed": 2}},
         "Generator #1 (cpu)",
     ),
-    # The split and the two epochs' orders of torch's DistributedSampler.
-    "ddp_data_split_with_a_generator_of_its_own": (_ddp(4, by_state=3), "default cpu"),
+    # The split and the two epochs' orders of torch's DistributedSampler; the two epochs'
+    # DataLoader seeds, from the default generator seeded per rank.
+    "ddp_data_split_with_a_generator_of_its_own": (
+        _ddp(4, per_rank_seed=2, by_state=3),
+        "default cpu",
+    ),
     "ddp_data_split_on_a_default_generator_seeded_alike": (_ddp(4, by_state=3), ""),
-    # Nothing replicated is drawn: rank 0's split comes from its per-rank stream.
-    "ddp_rank0_splits_alone_from_a_per_rank_stream": (_ddp(3), "default cpu"),
+    # Nothing replicated is drawn: the noise of the 3 steps and rank 0's split (a fourth draw
+    # there) come from the default generator seeded per rank.
+    "ddp_rank0_splits_alone_from_a_per_rank_stream": (_ddp(3, per_rank_seed=3), "default cpu"),
 }
 
 
@@ -1722,7 +1749,7 @@ def test_correct_data_parallel_training_is_quiet(two: Any, name: str) -> None:
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert_compared(r["compared"], rank, **expected)
-        if per_rank:  # (a per-rank stream's draws are said in a note, not counted)
+        if per_rank:  # (a per-rank stream is said in a note; its draws count as per_rank_seed)
             said = f"not compared: {per_rank} is seeded differently on each rank"
             assert said in "\n".join(r["notes"]), (rank, r["notes"])
 
@@ -2339,9 +2366,16 @@ def test_deepspeed_is_data_parallel_and_broadcasts_the_model(
         assert "in the forward and backward of DeepSpeedEngine over ranks 0-1" in text
         assert f"4 parameter initialisation(s); {broadcast_by} broadcast" in text, r["notes"]
         assert "Generator #1 (cpu) is seeded differently on each rank" in text
-        # (nothing replicated is drawn: the data and the shuffles are per-rank streams)
+        # (nothing replicated is drawn: the data and the shuffles of the 3 steps come from
+        # per-rank streams; below ZeRO-3 the engine holds the 4 parameters whole on every rank,
+        # compared by digest, and ZeRO-3 shards them)
+        whole = {"replicated_parameters": 4} if name == "deepspeed_seed_plus_rank" else {}
         assert_compared(
-            r["compared"], rank, initialisations_broadcast=4, not_compared={"own_batch": 3}
+            r["compared"],
+            rank,
+            initialisations_broadcast=4,
+            **whole,
+            not_compared={"own_batch": 3, "per_rank_seed": 6},
         )
     assert len({r["digest"] for r in results.values()}) == 1
 
@@ -2378,15 +2412,16 @@ def test_zero3_parameters_one_rank_initialises_for_a_broadcast_are_its_own(two: 
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "while rank 0 drew inside a deepspeed GatheredParameters region broadcast by it"
         ) in notes, notes
-        # Rank 0's 4 initialisations in the region are its own; the shuffles of the second and
-        # third steps are compared by what runs; zero.Init broadcast the model's 4.
+        # Rank 0's 4 initialisations in the region are its own; the shuffles of the 3 steps
+        # are compared by what runs (the first in the round that found the generator apart);
+        # zero.Init broadcast the model's 4; the data comes from a per-rank stream.
         inside = {"broadcast": 4} if rank == 0 else {}
         assert_compared(
             r["compared"],
             rank,
-            by_what_runs=2,
+            by_what_runs=3,
             initialisations_broadcast=4,
-            not_compared={**inside, "own_batch": 3},
+            not_compared={**inside, "own_batch": 3, "per_rank_seed": 3},
         )
     results = two.ok("deepspeed_zero3_initialised_on_rank0_not_broadcast")
     # What the finding is about: rank 0's initialisation was dropped (the weights are those
@@ -2417,12 +2452,17 @@ def test_sampling_with_generate_on_the_wrapped_module_is_each_ranks_own(two: Any
             assert (generated in notes) == (rank == 0 or name.endswith("every_rank")), notes
             sampled = rank == 0 or name.endswith("every_rank")
             exempted = {"own_batch": 1, **({"own_samples": 1} if sampled else {})}
+            if name.endswith("every_rank"):  # (the prompts of the 2 steps: a per-rank stream)
+                exempted["per_rank_seed"] = 2
             assert_compared(r["compared"], rank, not_compared=exempted)
-    for r in two.ok("hf_ddp_generate_on_rank0").values():
+    for rank, r in two.ok("hf_ddp_generate_on_rank0").items():
         assert (
             "not compared by state: default cpu after the ranks drew different amounts from it "
             "in generate() of the module DistributedDataParallel over ranks 0-1 wraps"
         ) in "\n".join(r["notes"]), r["notes"]
+        # The two steps' batches from a generator _hf.batch seeds alike, by state; the shuffle
+        # after rank 0 sampled, by what runs.
+        assert_compared(r["compared"], rank, by_state=2, by_what_runs=1)
 
 
 def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
@@ -2449,14 +2489,16 @@ def test_one_rank_sampling_with_a_model_no_wrapper_wraps_is_found_at_that_call(
         assert r["findings"] == [], (rank, r["findings"])
         # The reference model's initialisations (no wrapper broadcasts them) are compared at
         # the first step, and so are the shuffle and the two batches after rank 0 sampled in a
-        # fork of the generator. (What it sampled under expect("ignore") is not counted.)
+        # fork of the generator; what it sampled there (3 tokens) is under expect("ignore").
+        ignored = {"ignored": 3} if rank == 0 else {}
         assert_compared(
             r["compared"],
             rank,
             by_state=3,
             initialisations=1,
             initialisations_broadcast=1,
-            not_compared={"own_batch": 1},
+            replicated_parameters=28,
+            not_compared={"own_batch": 1, **ignored},
         )
 
 
@@ -2498,11 +2540,11 @@ def test_an_unmodified_hugging_face_script_is_quiet_under_rngcheck(
         report = json.loads((tmp_path / "rank0.json").read_text())
         assert "rank_compared" not in report["meta"], report["meta"]
         return
-    # Nothing replicated is drawn (seed + rank, per-rank data): DDP broadcasts GPT-2's
-    # initialisations, and its dropout is each rank's own.
+    # Nothing replicated is drawn (seed + rank, per-rank data: the 3 batches): DDP broadcasts
+    # GPT-2's initialisations and holds its parameters whole, and its dropout is each rank's own.
     for rank, found in _saved_compared(tmp_path).items():
-        exempted = {"own_batch": 1}
-        assert_compared(found, rank, initialisations_broadcast=1, not_compared=exempted)
+        exempted = {"own_batch": 1, "per_rank_seed": 3}
+        assert_compared(found, rank, **_GPT2, not_compared=exempted)
 
 
 def _torchrun_script(name: str, out: Any, **env: str) -> dict[str, Any]:
@@ -2839,8 +2881,10 @@ def test_fsdp_imported_after_the_mode_started_is_known(tmp_path: Any) -> None:
     _, notes = _quiet_and_unchanged(tmp_path, "train_fsdp_late_import.py")
     for rank, found in _saved_compared(tmp_path / "reports").items():
         # FSDP broadcasts nothing here: the model's 4 initialisations, compared at the first
-        # step; FSDP's dropout, each rank's own.
-        assert_compared(found, rank, initialisations=4, not_compared={"own_batch": 1})
+        # step, and the series every rank draws alike, by state; FSDP's dropout and the crops of
+        # the 3 steps (from a per-rank stream), each rank's own.
+        exempted = {"own_batch": 1, "per_rank_seed": 3}
+        assert_compared(found, rank, by_state=1, initialisations=4, not_compared=exempted)
     assert "in the forward and backward of FullyShardedDataParallel over ranks 0-1" in notes
 
 
@@ -2887,17 +2931,26 @@ def test_an_optimizer_one_rank_steps_alone_does_not_take_the_lead(two: Any, name
     c10d.allreduce_"), and at the step level gloo aborted the job (rngcheck's own collectives no
     longer matched in size). An optimizer of no data-parallel wrapper's parameters does not
     take the lead from one that trains them."""
-    steps = 24 if name.endswith("alone") else 2  # (the op level's steps; the step level's sampled)
+    op_level = name.endswith("alone")
+    steps = 24 if op_level else 2  # (the op level's steps; the step level's sampled)
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
         # Nothing replicated is drawn: the data comes from a per-rank stream, and rank 0's probe
-        # is declared its own (what it draws under expect("ignore") is not counted). So what
-        # the check stands on: DDP's dropout at every step the mode followed op by op, each
-        # rank's own, and the model's 4 initialisations, broadcast.
+        # is declared its own. So what the check stands on: DDP's dropout and the batch at
+        # every step the mode followed op by op, each rank's own, and the model's 4 parameters,
+        # their initialisations broadcast and their values compared. At the op level rank 0's
+        # two probes drew under expect("ignore") (3 ops each: its Linear's 2 initialisations
+        # and its features' input); the step level follows the first 2 steps op by op, before
+        # either probe.
+        ignored = {"ignored": 6} if op_level and rank == 0 else {}
         assert_compared(
-            r["compared"], rank, initialisations_broadcast=4, not_compared={"own_batch": steps}
+            r["compared"],
+            rank,
+            initialisations_broadcast=4,
+            replicated_parameters=4,
+            not_compared={"own_batch": steps, "per_rank_seed": steps, **ignored},
         )
 
 
@@ -2954,10 +3007,17 @@ def test_powersgd_hook_seeded_alike_is_quiet_and_trains_unchanged(two: Any) -> N
             assert summary["findings"] == [], (rank, summary["findings"])
         assert r["digest"] == r["plain"], rank
         # Q for the model's two weight matrices at each of the 4 compressed steps, by state; the
-        # draw after the sixth step, by what runs (the first, after the third, found the
-        # generator apart); the dropout of the 6 steps is each rank's own.
+        # draws after the third and the sixth steps, by what runs (the first in the round that
+        # found the generator apart); the dropout and the batch of the 6 steps are each rank's
+        # own (the batches, from a per-rank stream); DDP's 4 parameters, compared as replicated.
+        exempted = {"own_batch": 6, "per_rank_seed": 6}
         assert_compared(
-            r["compared"], rank, by_state=8, by_what_runs=1, not_compared={"own_batch": 6}
+            r["compared"],
+            rank,
+            by_state=8,
+            by_what_runs=2,
+            replicated_parameters=4,
+            not_compared=exempted,
         )
         # The note on randomness in backward names the hook, not a possible redraw of dropout.
         text = "\n".join(r["notes"])
@@ -2992,8 +3052,13 @@ def test_a_comm_hooks_collectives_are_no_exchange_points(two: Any) -> None:
     for rank, r in two.ok("ddp_comm_hook_collective_runs_inline_on_one_rank").items():
         assert r["findings"] == [], (rank, r["findings"])
         assert r["digest"] == r["plain"], rank
-        # Nothing replicated is drawn (the data comes from a per-rank stream): the teacher's
-        # initialisations are its DDP's to broadcast, and the dropout of the 4 steps is its own.
+        # Nothing replicated is drawn (the data of the 4 steps comes from a per-rank stream): the
+        # teacher's initialisations are its DDP's to broadcast, the parameters of both DDPs are
+        # compared as replicated, and the dropout of the 4 steps is each rank's own.
         assert_compared(
-            r["compared"], rank, initialisations_broadcast=2, not_compared={"own_batch": 4}
+            r["compared"],
+            rank,
+            initialisations_broadcast=2,
+            replicated_parameters=4,
+            not_compared={"own_batch": 4, "per_rank_seed": 4},
         )

@@ -416,13 +416,16 @@ def test_a_data_split_before_init_process_group_is_compared_once_the_group_is_up
         quiet = Report.load(tmp_path / "reports11" / f"rank{rank}.json")
         assert quiet.ok
         # The split (drawn before the group was up, adopted at the first exchange) and the
-        # sampler's two orders, by state; DDP's broadcast and its dropout at the 4 steps.
+        # sampler's two orders, by state; DDP's broadcast, its 2 parameters compared by digest,
+        # and its dropout at the 4 steps; the two epochs' DataLoader seeds, from the default
+        # generator seeded per rank.
         assert_compared(
             quiet.meta["rank_compared"],
             rank,
             by_state=3,
             initialisations_broadcast=2,
-            not_compared={"own_batch": 4},
+            replicated_parameters=2,
+            not_compared={"own_batch": 4, "per_rank_seed": 2},
         )
         (f,) = Report.load(tmp_path / "reports01" / f"rank{rank}.json").findings
         assert f.op == "aten.randperm.generator" and f.site == _line(

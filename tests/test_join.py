@@ -184,38 +184,61 @@ def three(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 # What the ranks compare (at least, each rank): the augmentation masks from the generator every
 # rank seeds alike, by state in the iterations every rank ran (the op level: the 4 of the first
-# epoch; the step level: those of its 2 sampled steps; beside the per-rank data generator's
-# first rows, from which it is learnt a per-rank stream), and, over two epochs at the op level,
-# by what runs in the second (rank 1's extra masks moved their generator apart); DDP broadcast the
-# model's 4 initialisations. The dropout is each rank's own, and so is what rank 1 draws once
-# rank 0 ran out of inputs (join), where the mode follows it op by op: at the step level only
-# when rank 0 has no batch in the first epoch (the sampled steps are then rank 1's alone).
-_MASKS = {"by_state": 4, "by_what_runs": 4}
+# epoch; the step level: those of its 2 sampled steps), and, over two epochs at the op level, by
+# what runs in the 5 of the second (rank 1's extra masks moved their generator apart; the first
+# in the round that found it so); DDP broadcast the model's 4 initialisations and holds its 4
+# parameters whole, compared by digest. The dropout is each rank's own, and so is what rank 1
+# draws once rank 0 ran out of inputs (join), where the mode follows it op by op: at the step
+# level only when rank 0 has no batch in the first epoch (the sampled steps are then rank 1's
+# alone). With no batch for rank 0 in the first epoch nothing is compared by state: rank 1's
+# masks in that Join moved their generator apart, and the one mask every rank draws in the
+# second epoch is compared by what runs.
+_MASKS = {"by_state": 4, "by_what_runs": 5}
+_NONE = {"by_what_runs": 1}
+# The batches each rank draws from its generator seeded per rank (4 + 2 * rank + epoch an epoch,
+# before its Join): over the two epochs at the op level; in the first epoch, before the first
+# step, at the step level; with no batch for rank 0 in the first epoch, in the second (rank 1's
+# two of the first are in the Join's round, which rank 0 joined having run out: join).
+_DATA = {0: 9, 1: 13}
 
 
 @pytest.mark.parametrize(
-    ("name", "masks", "join"),
+    ("name", "masks", "join", "data"),
     [
-        ("uneven_inputs", _MASKS, True),
-        ("uneven_inputs_at_the_step_level", {"by_state": 2}, False),
-        ("uneven_inputs_synced_at_every_op", _MASKS, True),
-        ("uneven_inputs_with_zero", _MASKS, True),
-        ("uneven_inputs_accumulating_gradients", _MASKS, True),
-        ("uneven_inputs_a_rank_with_none", {"by_state": 2}, True),
-        ("uneven_inputs_a_rank_with_none_at_the_step_level", {"by_state": 2}, True),
+        ("uneven_inputs", _MASKS, True, _DATA),
+        ("uneven_inputs_at_the_step_level", {"by_state": 2}, False, {0: 4, 1: 6}),
+        ("uneven_inputs_synced_at_every_op", _MASKS, True, _DATA),
+        ("uneven_inputs_with_zero", _MASKS, True, _DATA),
+        ("uneven_inputs_accumulating_gradients", _MASKS, True, _DATA),
+        ("uneven_inputs_a_rank_with_none", _NONE, True, {0: 1, 1: 3}),
+        (
+            "uneven_inputs_a_rank_with_none_at_the_step_level",
+            {**_NONE, "step_rounds": 1},
+            True,
+            {0: 1, 1: 3},
+        ),
     ],
 )
 def test_uneven_inputs_are_quiet_and_unchanged(
-    two: Any, name: str, masks: dict[str, int], join: bool
+    two: Any, name: str, masks: dict[str, int], join: bool, data: dict[int, int]
 ) -> None:
     for rank, r in two.ok(name).items():
         assert not r["findings"], (rank, r["findings"])
         assert not r["raised"], (rank, r["raised"])
         assert r["random_ops"] > 0
         assert r["bitwise"], rank
-        exempted = {"own_batch": 1, **({"join": 1} if join and rank == 1 else {})}
+        exempted = {
+            "own_batch": 1,
+            "per_rank_seed": data[rank],
+            **({"join": 1} if join and rank == 1 else {}),
+        }
         assert_compared(
-            r["compared"], rank, **masks, initialisations_broadcast=4, not_compared=exempted
+            r["compared"],
+            rank,
+            **masks,
+            initialisations_broadcast=4,
+            replicated_parameters=4,
+            not_compared=exempted,
         )
 
 
@@ -226,10 +249,20 @@ def test_over_three_ranks_two_run_on_after_one_ran_out(three: Any) -> None:
         assert not r["findings"], (rank, r["findings"])
         assert r["bitwise"], rank
         # What ranks 1 and 2 drew after rank 0 ran out is their own (rank 2, which runs on
-        # after rank 1 ran out too, the most).
-        exempted = {"own_batch": 1, **({"join": 4 * rank} if rank else {})}
+        # after rank 1 ran out too, the most); the batches of the two epochs, 9 + 4 * rank,
+        # come from a generator seeded per rank.
+        exempted = {
+            "own_batch": 1,
+            "per_rank_seed": 9 + 4 * rank,
+            **({"join": 4 * rank} if rank else {}),
+        }
         assert_compared(
-            r["compared"], rank, **_MASKS, initialisations_broadcast=4, not_compared=exempted
+            r["compared"],
+            rank,
+            **_MASKS,
+            initialisations_broadcast=4,
+            replicated_parameters=4,
+            not_compared=exempted,
         )
 
 
@@ -261,10 +294,20 @@ def test_a_join_that_throws_on_early_termination_raises_as_without_the_mode(two:
     for rank, r in two.ok("uneven_inputs_throwing_on_early_termination").items():
         assert not r["findings"], (rank, r["findings"])
         assert r["raised"] and r["raised"] == r["plain_raised"], (rank, r)
-        # Compared up to the error: the masks of the iterations both ranks ran (one epoch).
-        exempted = {"own_batch": 1, **({"join": 1} if rank == 1 else {})}
+        # Compared up to the error: the masks of the iterations both ranks ran (one epoch); its
+        # batches (4 + 2 * rank) come from a generator seeded per rank.
+        exempted = {
+            "own_batch": 1,
+            "per_rank_seed": 4 + 2 * rank,
+            **({"join": 1} if rank == 1 else {}),
+        }
         assert_compared(
-            r["compared"], rank, by_state=4, initialisations_broadcast=4, not_compared=exempted
+            r["compared"],
+            rank,
+            by_state=4,
+            initialisations_broadcast=4,
+            replicated_parameters=4,
+            not_compared=exempted,
         )
 
 

@@ -1207,10 +1207,22 @@ def test_tensor_parallel_peers_inside_fully_shard_are_compared_among_themselves(
         for name in ("same", "per_dp", "dtensor"):
             assert r[name]["ok"] and not r[name]["findings"], (rank, name, r[name]["findings"])
             # The dropout of both blocks at both steps, compared among the peers alone; the
-            # parallelized layers' 8 initialisations at the first step.
-            peers = {"among_peers_only": 4}
+            # parallelized layers' 8 initialisations at the first step; the row-wise layers'
+            # biases, Replicate over the tensor-parallel peers, by digest. Each data-parallel
+            # group's batches come from a generator of its own (a per-rank stream); the shuffle
+            # after training is compared by what runs, from the default generator the groups'
+            # lengths moved apart, but with per_dp that generator is seeded per data-parallel
+            # group: a per-rank stream too.
+            after = {"by_what_runs": 1} if name != "per_dp" else {}
+            peers = {"among_peers_only": 4, "per_rank_seed": 3 if name == "per_dp" else 2}
             assert_compared(
-                r[name]["compared"], rank, among_peers=4, initialisations=8, not_compared=peers
+                r[name]["compared"],
+                rank,
+                **after,
+                among_peers=4,
+                initialisations=8,
+                replicated_parameters=2,
+                not_compared=peers,
             )
         note = next(n for n in r["same"]["notes"] if "tensor-parallel peers" in n)
         assert any("not compared by state: default cpu" in n for n in r["same"]["notes"]), r["same"]
@@ -1242,9 +1254,13 @@ def test_hugging_face_tensor_parallelism_inside_fsdp2_is_quiet_and_its_peers_com
         checked = r["checked"]
         assert checked["ok"] and not checked["findings"], (rank, checked["findings"])
         assert checked["losses"] == r["plain"]["losses"], rank
-        # GPT-NeoX's dropout, compared among the tensor-parallel peers alone.
-        peers = {"among_peers_only": 1}
-        assert_compared(checked["compared"], rank, among_peers=1, not_compared=peers)
+        # GPT-NeoX's dropout, compared among the tensor-parallel peers alone; the row-wise
+        # layers' biases of its 2 layers, Replicate over the peers, by digest. Each fsdp group's
+        # 2 batches come from a generator of its own (a per-rank stream).
+        peers = {"among_peers_only": 1, "per_rank_seed": 2}
+        assert_compared(
+            checked["compared"], rank, among_peers=1, replicated_parameters=4, not_compared=peers
+        )
         assert checked["parameters"] == r["plain"]["parameters"], rank
         f = _only(r["per_rank"])
         assert f["kind"] == "rank_divergence" and f["differs"] == "state", f

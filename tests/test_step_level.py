@@ -870,11 +870,20 @@ def test_per_rank_amounts_under_ddp_stay_quiet_at_the_step_level(two: Any) -> No
         assert "error" not in r, r.get("traceback")
         assert r["findings"] == [] and "step_level_drift" not in r["notes"], (rank, r)
         assert r["level"]["op_level"] == ["1-2", "5", "10"] and r["level"]["escalations"] == 0
-        # Op by op (the sampled steps): DDP's broadcast of the model's 4 initialisations, and
-        # its dropout at the 4 sampled steps, each rank's own. Nothing replicated is drawn: the
-        # batches come from a per-rank stream (the step digests leave it out).
-        exempted = {"own_batch": 4}
-        assert_compared(r["compared"], rank, initialisations_broadcast=4, not_compared=exempted)
+        # Op by op (the sampled steps): DDP's broadcast of the model's 4 initialisations, its 4
+        # parameters compared by digest at each of the 4 sampled steps, and its dropout there,
+        # each rank's own. Nothing replicated is drawn: the batches come from a per-rank stream
+        # (its 4 draws at the sampled steps; the step digests leave it out). The step digests'
+        # closing round, at the end.
+        exempted = {"own_batch": 4, "per_rank_seed": 4}
+        assert_compared(
+            r["compared"],
+            rank,
+            initialisations_broadcast=4,
+            replicated_parameters=16,
+            step_rounds=1,
+            not_compared=exempted,
+        )
 
 
 @pytest.mark.slow
