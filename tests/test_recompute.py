@@ -10,7 +10,13 @@ import _recompute_util
 import pytest
 import torch
 import torch.nn.functional as F
-from _recompute_util import CPURNGStatesTracker, assert_recompute_finding, run, short
+from _recompute_util import (
+    CPURNGStatesTracker,
+    assert_culprit,
+    assert_recompute_finding,
+    run,
+    short,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
@@ -244,6 +250,8 @@ def test_reseed_inside_the_region_names_its_call_site(reentrant):
         ],
     )
     assert "named RNG stream" not in finding.cause
+    # The reseed is a frame of the finding, not only words in its cause.
+    assert_culprit(finding, "seed", "torch.manual_seed(1)", "reseed", __file__)
 
 
 @REENTRANT
@@ -282,7 +290,7 @@ def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
             return F.dropout(lin(x), 0.1)  # <- tensor-parallel dropout
 
     report = run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
-    assert_recompute_finding(
+    finding = assert_recompute_finding(
         report,
         op=DROPOUT_OP,
         differs="state",
@@ -294,6 +302,8 @@ def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
             "did not rewind",
         ],
     )
+    where = _recompute_util.__file__
+    assert_culprit(finding, "restore", "torch.set_rng_state(<state>)", "tracker swap in", where)
 
 
 def test_named_stream_restored_by_the_user_is_quiet():

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 
 from ..core.events import RandomOpEvent, SeedCall
+from ..core.findings import Culprit, Likely, culprits_of
 from .region import Region
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "first_difference",
     "likely_cause",
 ]
+
 
 # Seeding APIs that reseed (as opposed to set_rng_state, which swaps a saved state in).
 _RESEED_APIS = ("manual_seed", "manual_seed_all", "seed", "seed_all")
@@ -151,13 +153,19 @@ class Evidence:
         return self.region.preserve_rng_state is False and self.r.generator.is_default
 
 
+def _nobody(_e: Evidence) -> tuple[Culprit, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Cause:
-    """One row of the table: when it applies, and what it says."""
+    """One row of the table: when it applies, what it says, and the calls it blames (the ones
+    its words name with their line)."""
 
     name: str
     when: Callable[[Evidence], bool]
     says: Callable[[Evidence], str]
+    blames: Callable[[Evidence], tuple[Culprit, ...]] = _nobody
 
 
 def _sac(e: Evidence) -> str:
@@ -234,11 +242,17 @@ CAUSES: tuple[Cause, ...] = (
         lambda e: e.region.kind == "torch_xla" and e.r.generator.device.startswith("xla"),
         lambda e: _xla_cause(e.region, e.gen),
     ),
-    Cause("reseeded inside the region", lambda e: bool(e.reseeds), _reseeded),
+    Cause(
+        "reseeded inside the region",
+        lambda e: bool(e.reseeds),
+        _reseeded,
+        lambda e: culprits_of(e.reseeds[-1:]),
+    ),
     Cause(
         "named stream swapped in",
         _swapped_alike,
         lambda e: _stream_cause(e.gen, e.swaps_recompute[-1]),
+        lambda e: culprits_of(e.swaps_recompute[-1:]),
     ),
     Cause(
         "a checkpoint rngcheck does not know",
@@ -311,6 +325,7 @@ CAUSES: tuple[Cause, ...] = (
             _continues_forward(e.region, e.r) and (not e.region.custom or bool(e.swaps_forward))
         ),
         lambda e: _stream_cause(e.gen, e.swaps_forward[-1] if e.swaps_forward else None),
+        lambda e: culprits_of(e.swaps_forward[-1:]),
     ),
     Cause(
         "custom checkpoint did not restore",
@@ -334,10 +349,13 @@ CAUSES: tuple[Cause, ...] = (
 )
 
 
-def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: str) -> str:
-    """The first row of :data:`CAUSES` that applies, in words."""
+def likely_cause(
+    region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: str
+) -> Likely:
+    """The first row of :data:`CAUSES` that applies: its words and the calls it blames."""
     evidence = Evidence(region, k, f, r, differs)
-    return next(c.says(evidence) for c in CAUSES if c.when(evidence))
+    row = next(c for c in CAUSES if c.when(evidence))
+    return Likely(row.says(evidence), row.blames(evidence))
 
 
 def compiled_checkpoint_cause(label: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..core.events import RandomOpEvent
-from ..core.findings import Finding, FindingKind, Side
+from ..core.findings import Culprit, Finding, FindingKind, Side
 
 __all__ = ["Region", "devices_of", "mismatch_finding"]
 
@@ -82,9 +82,11 @@ def mismatch_finding(
     differs: str,
     detail: str,
     cause: str,
+    culprits: tuple[Culprit, ...] = (),
 ) -> Finding:
     """The recompute_mismatch of ``region`` at its random op ``k``: the forward's event ``f`` and
-    the recompute's ``r`` (either None when that pass ran no random op there)."""
+    the recompute's ``r`` (either None when that pass ran no random op there); ``culprits``: the
+    calls ``cause`` names."""
     shown = r if r is not None else f
     assert shown is not None
     return Finding(
@@ -102,6 +104,7 @@ def mismatch_finding(
         ),
         seq=shown.seq,
         context=tuple(region.forward[max(0, k - 4) : k + 2]),
+        culprits=culprits,
     )
 
 

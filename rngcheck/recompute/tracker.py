@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ..core.events import FORWARD, RECOMPUTE, Phase, RandomOpEvent
-from ..core.findings import Finding
+from ..core.findings import Finding, Likely
 from ..core.stacks import user_site
 from .causes import control_flow_cause, first_difference, likely_cause
 from .modules import ModuleNames
@@ -239,7 +239,7 @@ class RecomputeTracker:
                 "op",
                 f"the recompute ran random op #{k} ({r.op}) but the forward ran only "
                 f"{len(region.forward)} random op(s) in this region",
-                control_flow_cause(),
+                Likely(control_flow_cause()),
             )
             return
         f = region.forward[k]
@@ -267,7 +267,7 @@ class RecomputeTracker:
             "op",
             f"the recompute ended after {k} random op(s); the forward ran {len(region.forward)} "
             f"(the first one missing is {f.op})",
-            control_flow_cause(),
+            Likely(control_flow_cause()),
         )
 
     def _mismatch(
@@ -278,7 +278,7 @@ class RecomputeTracker:
         r: RandomOpEvent | None,
         differs: str,
         detail: str,
-        cause: str,
+        cause: Likely,
     ) -> None:
         region.failed = True
         if f is not None and f.seq in self._reported:
@@ -287,7 +287,7 @@ class RecomputeTracker:
             if len(self._reported) >= _MAX_REPORTED:  # replays happen in the same backward
                 self._reported.clear()
             self._reported.add(r.seq)
-        self._emit(mismatch_finding(region, k, f, r, differs, detail, cause))
+        self._emit(mismatch_finding(region, k, f, r, differs, detail, *cause))
 
 
 class _PhaseBlock:
