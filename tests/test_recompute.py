@@ -455,6 +455,92 @@ def test_recompute_that_runs_fewer_random_ops():
     assert "the recompute ended after 1 random op(s); the forward ran 2" in finding.message
 
 
+def _dropout_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+
+
+def test_a_module_switched_to_eval_between_forward_and_backward_is_the_cause():
+    """A reentrant checkpoint recomputes with the modules as they are in backward: switched to
+    eval() before loss.backward(), its dropout does not run. The call and its line are the cause
+    (once a generic control-flow cause), and a frame of the finding."""
+    model = _dropout_model()
+
+    def step():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()  # <- checkpointed model
+        model.eval()  # <- switched to eval
+        loss.backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="op",
+        at="checkpointed model",
+        cause=["switched the checkpointed modules to evaluation mode", "ran in the forward but"],
+        sides=("forward",),
+    )
+    assert "the recompute ended after 0 random op(s); the forward ran 2" in finding.message
+    assert "control flow differs" not in finding.cause
+    assert_culprit(finding, "mode", "Sequential.eval()", "switched to eval", __file__)
+
+
+def test_a_submodule_switched_to_train_before_backward_is_the_cause():
+    """The other way: a dropout in eval mode in the forward, switched to train() (on the layer
+    itself, inside the checkpointed model) before backward: the recompute runs an extra op."""
+    model = _dropout_model()
+    model[3].eval()
+
+    def step():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()
+        model[3].train()  # <- switched to train
+        loss.backward()
+
+    report = run(step)
+    assert len(report.findings) == 1, [f.message for f in report.findings]
+    finding = report.findings[0]
+    assert finding.differs == "op" and "the forward ran only 1" in finding.message
+    assert "switched the checkpointed modules to training mode" in finding.cause
+    assert "ran in the recompute but not in the forward" in finding.cause
+    assert_culprit(finding, "mode", "Dropout.train()", "switched to train", __file__)
+
+
+def test_switches_that_leave_the_region_as_it_was_are_not_blamed():
+    """eval() undone by train() before backward changes nothing (quiet); a switch of a module
+    the region does not hold is not the cause of its mismatch (control flow is)."""
+    model = _dropout_model()
+
+    def undone():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()
+        model.eval()  # an evaluation between the forward and backward ...
+        model.train()  # ... that switches back
+        loss.backward()
+
+    quiet = run(undone)
+    assert quiet.ok and quiet.meta["recompute"]["compared_ops"] == 2
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.noise = True
+
+        def forward(self, x):
+            h = F.dropout(self.lin(x), 0.5, self.training)
+            return h * (torch.rand(h.shape) > 0.5) if self.noise else h
+
+    noisy, other = Noisy(), _dropout_model()
+
+    def elsewhere():
+        loss = checkpoint(noisy, _input(), use_reentrant=True).sum()
+        other.eval()  # another model's switch
+        noisy.noise = False  # what changed the region's control flow
+        loss.backward()
+
+    report = run(elsewhere)
+    assert len(report.findings) == 1
+    finding = report.findings[0]
+    assert "control flow differs" in finding.cause and not finding.culprits
+
+
 @REENTRANT
 def test_generator_chosen_at_run_time(reentrant):
     lin = nn.Linear(16, 16)

@@ -103,6 +103,7 @@ class CulpritKind(str, enum.Enum):
 
     SEED = "seed"  # a seeding call: torch.manual_seed(1235), a reseed
     RESTORE = "restore"  # a saved state set back: torch.set_rng_state, a tracker's fork()
+    MODE = "mode"  # a module switched between training and evaluation: model.eval()
 
     def __str__(self) -> str:
         return self.value
@@ -197,8 +198,8 @@ class Finding:
     # level="step": how a finding first found between sampled steps (by generator states) was
     # then named op by op ("" when it was found op by op)
     found_by: str = ""
-    # The calls the cause names (a seeding call, a reseed, a restore), each with its frame: what
-    # annotations and editors link, beside the words of ``cause``.
+    # The calls the cause names (a seeding call, a reseed, a restore, a switch to eval()), each
+    # with its frame: what annotations and editors link, beside the words of ``cause``.
     culprits: tuple[Culprit, ...] = ()
 
     @property

@@ -16,14 +16,16 @@ from functools import cached_property
 import torch
 
 from ..core.events import RandomOpEvent, SeedCall
-from ..core.findings import Culprit, Likely, culprits_of
+from ..core.findings import Culprit, CulpritKind, Likely, culprits_of
 from .region import Region
+from .switches import Switch, standing
 
 __all__ = [
     "CAUSES",
     "Cause",
     "Evidence",
     "compiled_checkpoint_cause",
+    "control_flow",
     "control_flow_cause",
     "first_difference",
     "likely_cause",
@@ -110,6 +112,29 @@ def control_flow_cause() -> str:
         "that changed after the forward (a global flag, model.training, a step counter) or on a "
         "random number drawn outside the region. Make the region depend only on its inputs."
     )
+
+
+def control_flow(region: Region) -> Likely:
+    """Why the region's passes ran different random ops: a ``train()``/``eval()`` call that
+    switched its modules between them (``switches.py``), else control flow in general."""
+    switch = standing(region)
+    if switch is not None:
+        return _switched(switch)
+    return Likely(control_flow_cause())
+
+
+def _switched(switch: Switch) -> Likely:
+    mode = "training" if switch.training else "evaluation"
+    passes = ("in the recompute but not in the forward", "in the forward but not in the recompute")
+    text = (
+        f"{switch.call} at {switch.stack.describe()} switched the checkpointed modules to {mode} "
+        "mode after the forward and before the recompute: a checkpoint recomputes with the "
+        "modules as they are when backward runs, so the random ops that run only in training "
+        f"mode (dropout) ran {passes[0] if switch.training else passes[1]}, and the gradients "
+        "were computed through another forward than the one the loss came from. Switch modes "
+        "after loss.backward() (or before the forward), not between them."
+    )
+    return Likely(text, (Culprit(kind=CulpritKind.MODE, call=switch.call, stack=switch.stack),))
 
 
 @dataclass(frozen=True)
@@ -211,6 +236,12 @@ CAUSES: tuple[Cause, ...] = (
             "updated before backward. Pass it into the checkpointed function as an input, or "
             "change it only after backward."
         ),
+    ),
+    Cause(
+        "train()/eval() between the passes",
+        lambda e: e.differs == "op" and standing(e.region) is not None,
+        lambda e: control_flow(e.region).text,
+        lambda e: control_flow(e.region).culprits,
     ),
     Cause("control flow", lambda e: e.differs == "op", lambda e: control_flow_cause()),
     Cause(

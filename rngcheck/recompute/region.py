@@ -24,6 +24,11 @@ class _RegionFields:
     # sampled steps of level="step": its layer names it)
     site: str
     module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
+    held: Any = None  # a weak reference to that layer (None: the function is no module's)
+    # Module.train()/eval() calls that switched the layer's modules while the region waited
+    # for its recompute (switches.Switch; switches.py keeps them)
+    switches: tuple[Any, ...] = ()
+    modes: dict[int, bool] | None = None  # its modules' training flags in its forward, by id
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     # torch.compile's checkpoint operator ran the region as captured, with the
     # preserve_rng_state=False it always passes (a backend without AOT autograd: "eager")
