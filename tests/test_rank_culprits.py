@@ -1,5 +1,6 @@
 """Culprits across ranks, on real gloo ranks: the seeding call a cross-rank cause names is a frame
-of the finding (``finding.culprits``, in the API and the JSON report).
+of the finding (``finding.culprits``, in the API and the JSON report), and a DTensor op's finding
+says why its mesh's ranks must agree.
 
 The scenarios run inside the spawned ranks (``tests/_dist.py``); each returns its findings as
 their JSON, as a saved report holds them.
@@ -48,6 +49,20 @@ def seed_before_the_model(rank: int, world: int) -> dict[str, Any]:
         torch.manual_seed(1234 + rank)  # the bug
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    return _summary(mode, line=line)
+
+
+def reseeded_after_the_model(rank: int, world: int) -> dict[str, Any]:
+    """A replicated model built alike, then ``torch.manual_seed(seed + rank)`` before its
+    dropout: not a seed before building the model."""
+    torch.manual_seed(0)
+    with scenario_mode(timeout=_FAST) as mode:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        line = _line()
+        torch.manual_seed(100 + rank)
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
     return _summary(mode, line=line)
@@ -121,6 +136,7 @@ def per_rank_stream_not_offset(rank: int, world: int) -> dict[str, Any]:
 
 _TWO = [
     "seed_before_the_model",
+    "reseeded_after_the_model",
     "tensor_parallel_reseeded_after_it_was_built",
     "flow_after_a_reseed",
     "per_rank_stream_not_offset",
@@ -181,6 +197,30 @@ def test_a_rank_dependent_reseed_under_tensor_parallelism_is_a_frame_of_the_find
         f = _only(alone)
         assert "rank 1 changed default cpu outside a random op: torch.manual_seed(99)" in f["cause"]
         assert _culprits(f) == [("seed", "torch.manual_seed(99)", [1], _HERE, alone["line"])]
+
+
+def test_a_dtensor_finding_says_why_its_mesh_must_agree(two: Any) -> None:
+    """The op's mesh ranks and placements, DTensor's contract; and a reseed after the model was
+    built is not explained as a seed before building a replicated model."""
+    for r in two.ok("tensor_parallel_reseeded_after_it_was_built").values():
+        cause = _only(r["reseeded"])["cause"]
+        assert "The op ran on a DTensor placed [Replicate()] over a DeviceMesh" in cause
+        assert "(dimension 'tp') of ranks 0-1" in cause, cause
+        assert "every rank of the mesh holds the same generator state" in cause
+        assert "before building a replicated model" not in cause
+        assert "seed every rank of the mesh alike" in cause
+        cause = _only(r["alone"])["cause"]
+        assert "placed [Shard(dim=0)] over a DeviceMesh (dimension 'tp') of ranks 0-1" in cause
+
+
+def test_a_reseed_after_the_model_was_built_is_not_a_seed_before_building_it(two: Any) -> None:
+    for r in two.ok("reseeded_after_the_model").values():
+        f = _only(r)
+        assert f["op"] == "aten.bernoulli_.float" and f["differs"] == "state", f["message"]
+        assert "the ranks seeded default cpu differently" in f["cause"]
+        assert "before building a replicated model" not in f["cause"]
+        assert "makes ranks that must draw alike draw apart" in f["cause"]
+        assert [c["frame"]["lineno"] for c in f["culprits"]] == [r["line"]] * 2
 
 
 def test_an_extra_op_after_a_reseed_names_the_reseed(two: Any) -> None:

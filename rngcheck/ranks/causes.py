@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from ..core.events import RandomOpEvent, SeedCall
 from ..core.findings import Culprit, Likely, Side, culprits_of
-from .detail import Detail, Uncompared
+from .detail import Detail, OnMesh, Uncompared
 from .explain import (
     apart_text,
     has_advice,
@@ -22,7 +22,7 @@ from .explain import (
 from .generators import moved_apart
 from .verdict import Apart, Verdict
 
-__all__ = ["STATE_CAUSES", "StateEvidence", "order_of", "state_cause"]
+__all__ = ["STATE_CAUSES", "StateEvidence", "dtensor_mesh", "order_of", "state_cause"]
 
 
 def _ignored_text(
@@ -51,7 +51,8 @@ def _ignored_text(
 @dataclass(frozen=True)
 class StateEvidence:
     """What a state divergence shows: the two sides, their seeding calls (in words, ``seeds``,
-    and as records, ``calls``) and uncompared ops."""
+    and as records, ``calls``) and uncompared ops; whether the ops were parameter
+    initialisations (``init``), and the mesh of a DTensor op (``mesh``)."""
 
     before_differs: bool
     ref: Side
@@ -60,6 +61,11 @@ class StateEvidence:
     seeds: dict[tuple[int, ...], str]
     details: dict[int, Detail]
     calls: dict[tuple[int, ...], tuple[SeedCall, ...]]
+    init: bool = False
+
+    @property
+    def mesh(self) -> OnMesh | None:
+        return dtensor_mesh(self.details)
 
     @property
     def ev(self) -> RandomOpEvent:
@@ -80,6 +86,12 @@ class StateEvidence:
     def blamed(self, *sides: Side) -> tuple[Culprit, ...]:
         """The seeding calls of ``sides`` (each on its ranks), as culprits."""
         return tuple(c for side in sides for c in culprits_of(self.calls[side.ranks], side.ranks))
+
+
+def dtensor_mesh(details: Mapping[int, Detail]) -> OnMesh | None:
+    """The mesh of the DTensor op at the divergent position, as any rank says; None when the op
+    is no DTensor's."""
+    return next((d.mesh for _, d in sorted(details.items()) if d.mesh is not None), None)
 
 
 def _nobody(_e: StateEvidence) -> tuple[Culprit, ...]:
@@ -108,11 +120,24 @@ def _drew_differently(e: StateEvidence) -> str:
 
 
 def _seeded_differently(e: StateEvidence) -> str:
-    return (
+    seeded = (
         f"the ranks seeded {e.gen} differently: {ranks_word(e.ref.ranks)} {e.ref_seeds}; "
-        f"{ranks_word(e.odd.ranks)} {e.odd_seeds}. A seed that depends on the rank (seed + rank) "
-        "before building a replicated model makes replicas differ; seed every rank alike, and "
-        "scope per-rank streams with rngcheck.expect('differ')"
+        f"{ranks_word(e.odd.ranks)} {e.odd_seeds}. "
+    )
+    if e.mesh is not None:  # (told why the mesh must agree below: build_finding)
+        return seeded + (
+            "A seed that depends on the rank gives the ranks of a DTensor's mesh different "
+            "states, where its random ops need one: seed every rank of the mesh alike"
+        )
+    if e.init:
+        return seeded + (
+            "A seed that depends on the rank (seed + rank) before building a replicated model "
+            "makes replicas differ; seed every rank alike, and scope per-rank streams with "
+            "rngcheck.expect('differ')"
+        )
+    return seeded + (
+        "A seed that depends on the rank (seed + rank) makes ranks that must draw alike draw "
+        "apart; seed every rank alike, and scope per-rank streams with rngcheck.expect('differ')"
     )
 
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 from ..core.events import RandomOpEvent
 from ..core.findings import Culprit, Finding, FindingKind, Side, culprits_of, format_ranks
 from ..core.stacks import Stack
-from .causes import StateEvidence, state_cause
+from .causes import StateEvidence, dtensor_mesh, state_cause
 from .detail import Detail
-from .explain import order_advice, order_what, ranks_word
+from .explain import mesh_text, order_advice, order_what, ranks_word
 from .generators import rank_groups, reseeded_by_user, seed_calls_of, seed_text
 from .localise import Spot, extra_ops, in_order
 from .protocol import PEERS, Point, Row, gen_key
@@ -59,7 +59,24 @@ def point_text(point: Point, where: str, stack: Stack) -> str:
 
 
 def build_finding(
-    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
+    spot: Spot,
+    windows: dict[int, list[Row]],
+    details: dict[int, Detail],
+    domain: tuple,
+    *,
+    init: bool = False,
+) -> Finding:
+    """The finding at ``spot`` (``init``: the rows are parameter initialisations, settled at the
+    first step); on a DTensor op, with why its mesh's ranks must agree."""
+    finding = _build_finding(spot, windows, details, domain, init)
+    mesh = dtensor_mesh(details)
+    if mesh is not None and spot.policy != PEERS:
+        finding = replace(finding, cause=f"{finding.cause.rstrip('.')}. {mesh_text(mesh)}")
+    return finding
+
+
+def _build_finding(
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple, init: bool
 ) -> Finding:
     if spot.kind == "flow" and spot.policy == PEERS and spot.stream:
         # What the peers of a data-parallel forward run: among them, over their stream's rows.
@@ -84,7 +101,7 @@ def build_finding(
     events = {r: d.event for r, d in involved.items()}
     if spot.kind == "collision":
         return _collision_finding(events, details)
-    finding = _state_finding(events, details)
+    finding = _state_finding(events, details, init)
     if spot.policy == PEERS:  # (peers of a data-parallel forward, by their batch)
         return _among_peers(finding, involved, details, seeding=True)
     return finding
@@ -362,7 +379,9 @@ def _points_finding(details: dict[int, Detail], domain: tuple) -> Finding:
     )
 
 
-def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, Detail]) -> Finding:
+def _state_finding(
+    events: dict[int, RandomOpEvent | None], details: dict[int, Detail], init: bool = False
+) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     before_differs = len({e.before for e in evs.values()}) > 1
     groups = rank_groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
@@ -385,7 +404,7 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     ev = odd.event
     assert ev is not None and ref.event is not None
     gen = ev.generator.label
-    evidence = StateEvidence(before_differs, ref, odd, gen, seeds, details, calls)
+    evidence = StateEvidence(before_differs, ref, odd, gen, seeds, details, calls, init)
     cause, culprits = state_cause(evidence, sides[2:])
     what = "before" if before_differs else "after"
     if len(sides) > 2 and all(len(s.ranks) == 1 for s in sides):
@@ -535,7 +554,7 @@ def replica_finding(
     events = {r: details[r].event for r in members if r in details}
     drawn = {r: e for r, e in events.items() if e is not None}
     if len(drawn) == len(members) and len({e.before for e in drawn.values()}) > 1:
-        found = _state_finding(dict(drawn), details)
+        found = _state_finding(dict(drawn), details, init=True)
         return init_finding(replace(found, ranks=members), details)
     groups = rank_groups({r: d if d is not None else -1 for r, d in digests.items()})
     ordered, labels = _labels(groups, len(groups) - 1)
