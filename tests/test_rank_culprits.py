@@ -1,6 +1,8 @@
 """Culprits across ranks, on real gloo ranks: the seeding call a cross-rank cause names is a frame
-of the finding (``finding.culprits``, in the API and the JSON report), and a DTensor op's finding
-says why its mesh's ranks must agree.
+of the finding (``finding.culprits``, in the API and the JSON report), a DTensor op's finding says
+why its mesh's ranks must agree, and DTensor random ops that torch draws from the default
+generator instead of the ``generator=`` passed (a mesh without DTensor's RNG tracker: CPU) are
+checked as draws from it, with a note.
 
 The scenarios run inside the spawned ranks (``tests/_dist.py``); each returns its findings as
 their JSON, as a saved report holds them.
@@ -131,6 +133,35 @@ def per_rank_stream_not_offset(rank: int, world: int) -> dict[str, Any]:
     return _summary(mode, line=line)
 
 
+def generator_on_a_cpu_mesh(rank: int, world: int) -> dict[str, Any]:
+    """The DTensor RNG-semantics discussion's test_init_with_user_generator on a CPU mesh: torch
+    drops the generator= of a DTensor random op there and draws from the default generator.
+    Quiet, with every op checked; then rank 1 draws once more with the generator passed, which
+    moves the default generator on rank 1 alone."""
+    import torch.distributed.tensor as dt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+    for case in ("quiet", "extra"):
+        torch.manual_seed(42)
+        rng = torch.Generator().manual_seed(42)
+        with scenario_mode(timeout=_FAST) as mode:
+            t1 = dt.empty((2, 3), device_mesh=mesh, placements=[Shard(0)])
+            t2 = dt.empty((2, 3), device_mesh=mesh, placements=[Shard(0)])
+            for _ in range(2):
+                torch.nn.init.uniform_(t1, 0.0, 1.0)
+                line = _line()
+                torch.nn.init.uniform_(t2, 0.0, 1.0, rng)
+            if case == "extra" and rank == 1:
+                torch.nn.init.uniform_(t2, 0.0, 1.0, rng)
+            torch.nn.init.uniform_(t1, 0.0, 1.0)
+            torch.nn.init.uniform_(t2, 0.0, 1.0, rng)
+        out[case] = _summary(mode, line=line)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The tests (parent side)
 
@@ -140,6 +171,7 @@ _TWO = [
     "tensor_parallel_reseeded_after_it_was_built",
     "flow_after_a_reseed",
     "per_rank_stream_not_offset",
+    "generator_on_a_cpu_mesh",
 ]
 
 
@@ -237,3 +269,30 @@ def test_a_stream_that_must_differ_names_the_seed_it_shares(two: Any) -> None:
         f = _only(r)
         assert f["kind"] == "rank_collision" and "torch.manual_seed(100)" in f["cause"]
         assert _culprits(f) == [("seed", "torch.manual_seed(100)", [0, 1], _HERE, r["line"])]
+
+
+def test_dtensor_ops_that_draw_from_the_default_generator_are_counted_and_noted(
+    two: Any,
+) -> None:
+    """Before: the ops given generator= were dropped as having drawn nothing (3 of 6 checked),
+    so rank 1's extra draw went unseen."""
+    results = two.ok("generator_on_a_cpu_mesh")
+    for rank, r in results.items():
+        quiet = r["quiet"]
+        assert not quiet["findings"], quiet["findings"]
+        assert quiet["random_ops"] == 6 and quiet["compared"]["by_state"] == 6, quiet
+        notes = [n for n in quiet["notes"] if n["kind"] == "drew_from_default"]
+        assert [n["count"] for n in notes] == [2, 1]  # (one per line)
+        note = notes[0]
+        message = note["message"]
+        assert "2 DTensor random op(s) (aten.uniform_.default) at test_rank_culprits.py:" in message
+        assert "were passed generator=Generator #1 (cpu" in note["message"]
+        assert "but drew from default cpu" in note["message"]
+        assert [x for x in note["stack"] if x["user"]][-1]["lineno"] == quiet["line"]
+
+        extra = r["extra"]
+        f = _only(extra)
+        assert f["kind"] == "rank_divergence" and f["differs"] == "op", (rank, f["message"])
+        assert f["op"] == "aten.uniform_.default"
+        assert "rank 1 ran an extra random op, aten.uniform_.default on default cpu" in f["cause"]
+        assert "placed [Shard(dim=0)]" in f["cause"]
