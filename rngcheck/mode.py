@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from .core.config import Config, check_writable
-from .core.dispatch import Interceptor
+from .core.dispatch import Intercepting, choose_route, make_interceptor
 from .core.events import EventWindow, RandomOpEvent
 from .core.findings import Finding, Note, RNGCheckCoverageWarning
 from .core.generators import GeneratorRegistry
@@ -95,6 +95,11 @@ class RNGConsistencyMode:
             then a finding, not a per-rank stream (for CI, where a test wants every difference
             reported). The scopes rngcheck knows (a wrapper's forward, a sampler's order) and
             ``expect(...)`` still hold.
+        route: how ops reach the checker. ``"selective"``: kernels for the random ops and
+            collectives only, every other op runs as without the checker; ``"dispatch_mode"``: a
+            ``TorchDispatchMode`` that sees every op (slower). ``"auto"`` (default): selective
+            where this torch serves it, or the route the ``RNGCHECK_ROUTE`` variable names. The
+            route taken is in the report's metadata (``route``). Both check the same.
         ignore: known findings to leave out, by kind and/or the user's site: a list of
             ``"recompute_mismatch@modeling_foo.py:120"``, ``"rank_divergence"`` or
             ``"@train.py:40"`` (any line of a file: ``"@train.py"``). They are counted in the
@@ -130,6 +135,7 @@ class RNGConsistencyMode:
         sample_every: int = 100,
         sample_first: int = 2,
         strict: bool = False,
+        route: str = "auto",
         every: int | None = None,
     ) -> None:
         if every is not None:
@@ -156,6 +162,7 @@ class RNGConsistencyMode:
             sample_every=sample_every,
             sample_first=sample_first,
             strict=strict,
+            route=route,
         )
         if console is not None:
             from rich.console import Console
@@ -175,7 +182,7 @@ class RNGConsistencyMode:
         self._sink = FindingSink(
             self._report, on_finding, console, ignore=self.config.ignore, step=self._steps.step_of
         )
-        self._interceptor: Interceptor | None = None
+        self._interceptor: Intercepting | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
         self._compiled: CompiledRecomputes | None = None
@@ -257,7 +264,13 @@ class RNGConsistencyMode:
             if self.config.trace:
                 self._trace = TraceFeed(self.config.trace, self._trace_meta)
             self._recorder.graph_hook.install()
-            self._interceptor = Interceptor(self._recorder.on_special)
+            route, why = choose_route(self.config.route)
+            self._report.meta["route"] = route
+            if why:
+                self._report.meta["route_fallback"] = why
+            self._interceptor = make_interceptor(route, self._recorder.on_special)
+            if self.recompute_tracker is not None:
+                self.recompute_tracker.sees_first = route == "selective"
             self._wire()
             self._interceptor.__enter__()
             self._steps.start()
@@ -387,6 +400,12 @@ class RNGConsistencyMode:
             # holds every op drawn before (a rank that dropped some could not tell its splits).
             if self._ranks is not None and self._window.total == len(self._window.events):
                 self._ranks.adopt_splits(self._window.events)
+
+    def leave_forked_child(self) -> None:
+        """In a forked child (a DataLoader worker) that inherited the running checker: stop seeing
+        ops there (``rngcheck.env`` calls it after a fork; the parent goes on checking)."""
+        if self._interceptor is not None:
+            self._interceptor.leave_forked_child()
 
     def check(self) -> Report:
         """Exchange with the other ranks now (with several ranks) and return the report.

@@ -14,6 +14,8 @@ def _seeded():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert not _get_current_dispatch_mode_stack(), "a test left a dispatch mode on the stack"
+    key = torch._C.DispatchKey.PreDispatch  # the selective route's (core/selective.py)
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(key), "a test left the key on"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -52,6 +52,13 @@ class Net(nn.Module):
         return x.sum()
 
 
+def _checking() -> bool:
+    """Whether the running checker checks ops one by one now (on either route)."""
+    active = rngcheck.active_mode()
+    interceptor = active._interceptor if active is not None else None
+    return interceptor is not None and not interceptor.suspended
+
+
 def _train(
     model: nn.Module,
     steps: int,
@@ -81,7 +88,7 @@ def _train(
                     b.preserve = False
         x = torch.randn(4, 8, generator=data)  # the data generator: known from step 1
         loss = model(x)
-        stacks.append([type(m).__name__ for m in _get_current_dispatch_mode_stack()])
+        stacks.append(([type(m).__name__ for m in _get_current_dispatch_mode_stack()], _checking()))
         loss.backward()
         for opt in opts:
             opt.step()
@@ -112,10 +119,13 @@ def test_correct_training_is_quiet_bitwise_the_same_and_unintercepted_between_sa
         "mismatches": 0,
         "restored_and_stopped_early": 2 * 8,
     }, probe
-    # Sampled steps run under the dispatch mode; the others under none at all.
+    # Sampled steps are checked op by op, the others not. The dispatch-mode route is on the
+    # dispatch stack on sampled steps only; the selective route never puts a mode there.
     op_steps = {1, 2, 5, 10}
-    for step, stack in enumerate(stacks, 1):
-        assert stack == (["Interceptor"] if step in op_steps else []), (step, stack)
+    on_stack = mode.report.meta["route"] == "dispatch_mode"
+    for step, (stack, checking) in enumerate(stacks, 1):
+        assert checking is (step in op_steps), step
+        assert stack == (["Interceptor"] if step in op_steps and on_stack else []), (step, stack)
     # Random ops are recorded on sampled steps only (4 dropouts and 1 data draw a step).
     assert mode.report.random_ops == 4 * len(op_steps) + 4
 
@@ -630,7 +640,7 @@ def test_a_graph_kept_across_steps_does_not_cost_the_sampled_steps():
     on_stack = []
     with rngcheck.RNGConsistencyMode(sample_first=1, sample_every=4, **STEP) as mode:
         for _ in range(12):
-            on_stack.append(bool(_get_current_dispatch_mode_stack()))
+            on_stack.append(_checking())
             x = torch.randn(4, 8, requires_grad=True)
             feats = checkpoint(lambda t: F.dropout(body(t), 0.2), x, use_reentrant=False)
             head(feats.detach()).sum().backward()  # feats' own backward never runs

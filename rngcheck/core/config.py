@@ -15,6 +15,7 @@ __all__ = [
     "LEVELS",
     "ON_FINDING",
     "RANGES",
+    "ROUTES",
     "SYNC_MODES",
     "Config",
     "OutputError",
@@ -27,6 +28,9 @@ __all__ = [
 ON_FINDING = ("raise", "warn", "record")
 SYNC_MODES = ("op", "step", "off")
 LEVELS = ("op", "step")
+# How ops reach the checker (core/dispatch.py): auto takes the selective route where this torch
+# serves it (or the one RNGCHECK_ROUTE names).
+ROUTES = ("auto", "selective", "dispatch_mode")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,6 +132,7 @@ class Config:
     # Across ranks: nothing learnt from a mismatch (per-rank seeds, lines drawing each rank's own
     # arguments or counts) exempts a draw; every such difference is a finding (for CI).
     strict: bool = False
+    route: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("trace", "report_path"):
@@ -143,6 +148,7 @@ class Config:
         validate_choice("sync", self.sync, SYNC_MODES)
         validate_choice("on_finding", self.on_finding, ON_FINDING)
         validate_choice("level", self.level, LEVELS)
+        validate_choice("route", self.route, ROUTES)
         for name in ("check_recompute", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False; got {getattr(self, name)!r}")

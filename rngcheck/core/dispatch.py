@@ -1,25 +1,45 @@
-"""The private dispatch mode: it only intercepts. Everything it sees that is not plain compute (a
-random op, a collective) goes to the one callback its owner gave it; the owner keeps the results.
+"""The two routes by which the checker sees ops, and the choice between them. Either only
+intercepts: everything it sees that is not plain compute (a random op, a collective) goes to the
+one callback its owner gave it; the owner keeps the results.
 
-A non-random op costs one dict lookup over a no-op dispatch mode (:data:`~rngcheck.core.ops.KINDS`).
+- ``selective`` (``core/selective.py``): kernels for the random ops and collectives only, at a
+  dispatch key the checker includes while it runs; every other op costs nothing.
+- ``dispatch_mode`` (:class:`Interceptor` here): a ``TorchDispatchMode``, which sees every op; a
+  non-random op costs one dict lookup over a no-op dispatch mode
+  (:data:`~rngcheck.core.ops.KINDS`), and a dispatch mode's Python call.
+
+``route="auto"`` (the default) takes the selective route where this torch serves it, unless the
+``RNGCHECK_ROUTE`` variable names a route for every checker of the process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from types import CodeType, FunctionType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
+    _pop_mode,
     _pop_mode_temporarily,
 )
 
+from .config import ROUTES
 from .ops import KINDS, OpKind
 
-__all__ = ["DynamoSkippedMode", "Interceptor"]
+__all__ = [
+    "DynamoSkippedMode",
+    "Intercepting",
+    "Interceptor",
+    "choose_route",
+    "make_interceptor",
+]
+
+if TYPE_CHECKING:
+    from .selective import SelectiveInterceptor
 
 OnSpecial = Callable[[OpKind, Any, tuple, dict], Any]
 
@@ -76,6 +96,8 @@ class Interceptor(DynamoSkippedMode):
     """Hands random ops and collectives to ``on_special(kind, func, args, kwargs)``, which runs
     them; every other op runs as it came."""
 
+    route = "dispatch_mode"
+
     # Higher-order operators come through too (a compiled graph running outside inductor's graph
     # hook runs its functionalised random ops as run_and_save_rng_state / run_with_rng_state):
     # the random ones are checked, the others run as they came.
@@ -103,6 +125,17 @@ class Interceptor(DynamoSkippedMode):
         if self.suspended:
             self.suspended = False
             super().__enter__()
+
+    def heal(self) -> bool:
+        """(The selective route's: nothing takes this mode off the stack behind its back.)"""
+        return False
+
+    def leave_forked_child(self) -> None:
+        """In a forked child (a DataLoader worker), which inherited the dispatch stack: off it."""
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is self:
+            _pop_mode()
+        self.suspended = True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.suspended:  # already off the stack
@@ -135,3 +168,43 @@ class Interceptor(DynamoSkippedMode):
         if not kind:
             return func(*args, **(kwargs or {}))
         return self._on_special(kind, func, args, kwargs or {})
+
+
+Intercepting: TypeAlias = "Interceptor | SelectiveInterceptor"  # either route's interceptor
+
+
+def choose_route(route: str) -> tuple[str, str]:
+    """The route a checker asked for as ``route`` takes, and why when that is not what it asked
+    (or, for "auto", why not the selective one): ``("selective", "")``, or
+    ``("dispatch_mode", "torch 2.x lacks ...")``."""
+    if route == "auto":
+        named = os.environ.get("RNGCHECK_ROUTE", "").strip()
+        if named:
+            if named not in ROUTES:
+                raise ValueError(
+                    f"RNGCHECK_ROUTE={named!r} is not a route; expected one of "
+                    f"{', '.join(ROUTES)} (auto: selective where this torch serves it), or unset"
+                )
+            route = named
+    if route == "dispatch_mode":
+        return route, ""
+    from .selective import unavailable
+
+    why = unavailable()
+    if not why:
+        return "selective", ""
+    if route == "selective":
+        raise RuntimeError(
+            f"route='selective' cannot serve here: {why}. Use route='auto', which takes the "
+            "dispatch-mode route where the selective one cannot serve"
+        )
+    return "dispatch_mode", why
+
+
+def make_interceptor(route: str, on_special: OnSpecial) -> Intercepting:
+    """The interceptor of a chosen route (:func:`choose_route`)."""
+    if route == "selective":
+        from .selective import SelectiveInterceptor
+
+        return SelectiveInterceptor(on_special)
+    return Interceptor(on_special)

@@ -66,9 +66,12 @@ def register_random_op(*ops: OpOverload | OpOverloadPacket) -> None:
                 f"{op} is already treated as random (registered before, or tagged "
                 "nondeterministic_seeded); register each op once"
             )
+    from .selective import add_random_op
+
     for op in overloads:
         _EXTRA_RANDOM.add(op)
         KINDS[op] = OpKind.RANDOM  # the table a running mode reads: it checks the op from now on
+        add_random_op(op)  # and on the selective route, its kernel
 
 
 # Point-to-point ops: two ranks meet there, not the group (a pipeline's stages send and receive

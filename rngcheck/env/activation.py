@@ -269,13 +269,7 @@ class Activation:
             return
         self.exited = True
         self.forked = True
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
-
-        from ..core.dispatch import Interceptor
-
-        stack = _get_current_dispatch_mode_stack()
-        if stack and isinstance(stack[-1], Interceptor):
-            _pop_mode()
+        self.mode.leave_forked_child()
 
     def _install_signal_handler(self) -> None:
         if threading.current_thread() is not threading.main_thread():

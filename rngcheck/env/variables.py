@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.config import LEVELS, ON_FINDING, RANGES, SYNC_MODES
+from ..core.config import LEVELS, ON_FINDING, RANGES, ROUTES, SYNC_MODES
 from ..core.policy import EXPECTATIONS, IgnoreRule, parse_ignore
 
 __all__ = [
@@ -222,6 +222,16 @@ VARIABLES: dict[str, Variable] = {
             parse=_switch,
         ),
         Variable(
+            name="RNGCHECK_ROUTE",
+            values=", ".join(ROUTES),
+            default="auto",
+            help="How ops reach the checker. selective: kernels for the random ops and "
+            "collectives only (every other op runs as without the checker); dispatch_mode: a "
+            "TorchDispatchMode that sees every op. auto: selective where this torch serves it. "
+            "Read by every checker of the process, RNGCHECK=1 or not.",
+            parse=_choice(ROUTES),
+        ),
+        Variable(
             name="RNGCHECK_EVERY",
             values=RANGES["every_steps"].text("N"),
             default="1",
@@ -338,6 +348,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> EnvSettings:
         "window": values.get("RNGCHECK_WINDOW", 4096),
         "check_recompute": values.get("RNGCHECK_RECOMPUTE", True),
         "strict": values.get("RNGCHECK_STRICT", False),
+        "route": values.get("RNGCHECK_ROUTE", "auto"),
         "ignore": values.get("RNGCHECK_IGNORE", ()),
         "level": values.get("RNGCHECK_LEVEL", "op"),
         "sample_every": values.get("RNGCHECK_SAMPLE_EVERY", 100),

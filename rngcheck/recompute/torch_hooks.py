@@ -278,6 +278,7 @@ class Tracker(Protocol):
     """What the shims need of the recompute tracker."""
 
     recorded: int
+    sees_first: bool  # the selective route: the checker sees a random op before the SAC cache
     probe: Any  # level="step": the generator-state probe (``active`` between sampled steps)
 
     def new_region(
@@ -527,7 +528,9 @@ class _CacheObserver(DynamoSkippedMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if classify(func) is not OpKind.RANDOM:
+        if classify(func) is not OpKind.RANDOM or self._tracker.sees_first:
+            # (The selective route saw the op before this observer: it tells a cached answer
+            # by the generator that did not move.)
             return func(*args, **kwargs)
         seen = self._tracker.recorded
         out = func(*args, **kwargs)

@@ -70,6 +70,9 @@ class RecomputeTracker:
         # drew, the inner region comparing against that same op is the same bug, not a new one.
         self._reported: set[int] = set()
         self.recorded = 0  # random ops the mode intercepted (the SAC observer watches it)
+        # Whether the checker sees a random op before any dispatch mode (the selective route),
+        # so before a selective checkpoint's cache; else after them (the dispatch-mode route).
+        self.sees_first = False
         # False once the mode has exited: a region whose forward ran inside the mode may
         # recompute after it (backward outside the `with`); with no ops recorded any more, that
         # recompute must not be compared, or it would look like it ran no random op at all.
@@ -163,6 +166,12 @@ class RecomputeTracker:
 
     def in_recompute(self) -> bool:
         return any(phase is RECOMPUTE for _, phase in self._local.active)
+
+    def in_cached_recompute(self) -> bool:
+        """Whether the innermost region is a selective checkpoint's recompute, whose cache may
+        answer a random op without running it."""
+        active = self._local.active
+        return bool(active) and active[-1][1] is RECOMPUTE and active[-1][0].selective
 
     def innermost(self) -> str:
         # The title, with the user's line: cheap now that a region finds its site by a frame

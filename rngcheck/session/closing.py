@@ -39,6 +39,7 @@ DERIVED_NOTES = (
     "findings_dropped",
     "learnt",
     "not_compared",
+    "route_healed",
     "step_level_drift",
 )
 
@@ -86,6 +87,8 @@ def finalize(
     if ranks is not None:
         notes.extend(ranks.notes())
     notes += _drift_notes(steps.drifts, steps.late_drift)
+    if steps.healed:
+        notes.append(_healed_note(steps.healed))
     if dropped:
         notes.append(
             Note(
@@ -187,6 +190,22 @@ def _instead_notes(drew: dict[tuple[str, str, str, str], list[Any]]) -> list[Not
         )
         for (site, op, passed, drawn), (count, stack) in drew.items()
     ]
+
+
+def _healed_note(steps: list[int]) -> Note:
+    """The selective route's key was taken out of the include set (by an export's pre-dispatch
+    tracing inside the checked block) and put back at these optimizer steps' ends."""
+    at = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    return Note(
+        kind="route_healed",
+        message=(
+            f"the selective route's dispatch key was taken out of the include set during step(s) "
+            f"{at} (torch does so when an export's pre-dispatch tracing ends) and put back at the "
+            "step's end: random ops run between were not seen. Export outside the checked "
+            "block, or use route='dispatch_mode'."
+        ),
+        count=len(steps),
+    )
 
 
 def _drift_notes(drifts: list[int], late_drift: int) -> list[Note]:

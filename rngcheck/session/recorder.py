@@ -21,7 +21,7 @@ import torch
 
 from ..core.compiled import CompiledCall, CompiledGraphHook, compiled_call
 from ..core.digest import tensor_digest
-from ..core.dispatch import Interceptor
+from ..core.dispatch import Intercepting
 from ..core.events import (
     BACKWARD,
     FORWARD,
@@ -107,7 +107,7 @@ class Recorder:
         self.compiled: CompiledRecomputes | None = None
         self.trace: TraceFeed | None = None
         self.ranks: RankCheck | None = None
-        self.interceptor: Interceptor | None = None
+        self.interceptor: Intercepting | None = None
         self.pid = os.getpid()
         self.unseen_checkpoint = False  # warned once that a checkpoint region went unseen
         # For the closing notes: backward's random ops outside every region, by site
@@ -187,7 +187,11 @@ class Recorder:
                 # random-tagged kernel under no_grad and an untagged one with grad, so a
                 # reentrant recompute would "miss" it): not a draw of the program. The
                 # generator's last state stays as it was, so a change before this op is still
-                # seen at the next one that draws.
+                # seen at the next one that draws. Seen before a selective checkpoint's cache
+                # (the selective route), its recompute's op that drew nothing was answered from
+                # the cache: what a dispatch mode below the cache is told by an observer above it.
+                if tracker is not None and tracker.sees_first and tracker.in_cached_recompute():
+                    self.record_cached(func, args, kwargs)
                 return out
             # It drew from the default generator, not the one passed: a draw from the one that
             # moved (what the ranks must agree on), and a note that torch ignored the argument.

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..core.config import Config
-from ..core.dispatch import Interceptor
+from ..core.dispatch import Intercepting
 from ..core.events import EventWindow
 from ..core.generators import GeneratorRegistry
 from ..core.rank_check import RankCheck
@@ -116,6 +116,7 @@ class StepControl:
         "between",
         "drifts",
         "ended",
+        "healed",
         "held",
         "inferred",
         "interceptor",
@@ -166,13 +167,16 @@ class StepControl:
         # that stays there has nothing to change (the common step at level="step").
         self.between = False
         self.ranks: RankCheck | None = None
-        self.interceptor: Interceptor | None = None
+        self.interceptor: Intercepting | None = None
         self.tracker: RecomputeTracker | None = None
         self.inferred: InferredRecomputes | None = None
         self.held: HeldFindings | None = None
         self.probe: StateProbe | None = None
         self.pid = os.getpid()
         self.thread = threading.get_ident()  # the thread whose dispatch stack the mode is on
+        # Steps at which the selective route found its key taken out of the include set (an
+        # export's pre-dispatch tracing ends that way) and put it back.
+        self.healed: list[int] = []
 
     def start(self) -> None:
         """The mode is entered: the step level begins at step 1, op by op."""
@@ -182,6 +186,14 @@ class StepControl:
     def on_step(self, optimizer: Any, *_: Any) -> None:
         """The one optimizer-step hook: the checks' step work, in one order on every rank. A
         training step ends at a step of the lead optimizer (:class:`Lead`)."""
+        interceptor = self.interceptor
+        if (
+            interceptor is not None
+            and threading.get_ident() == self.thread
+            and interceptor.heal()
+            and len(self.healed) < MAX_NOTE_SITES
+        ):
+            self.healed.append(len(self.ended) + 1)
         if not self._lead.ends_step(optimizer, self.ranks):
             if (
                 self._postponed is not None
@@ -219,7 +231,7 @@ class StepControl:
 
     # -- level="step" ------------------------------------------------------------------------
 
-    def _next_step(self, schedule: StepSchedule, interceptor: Interceptor) -> None:
+    def _next_step(self, schedule: StepSchedule, interceptor: Intercepting) -> None:
         """Decide how the coming step is checked (the same on every rank) and switch to it."""
         want, self._want_escalation = self._want_escalation, False
         sampled = schedule.current_op_level
