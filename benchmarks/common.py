@@ -154,7 +154,12 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("plain", lambda _m: contextlib.nullcontext(), "plain training"),
         Mode("noop", lambda _m: _NoOpMode(), "no-op TorchDispatchMode (floor)"),
-        Mode("rngcheck", _rngcheck(), "rngcheck, defaults"),
+        Mode("rngcheck", _rngcheck(), "rngcheck, defaults (op level, selective route)"),
+        Mode(
+            "rngcheck-dispatch",
+            _rngcheck(route="dispatch_mode"),
+            'rngcheck, route="dispatch_mode" (op level)',
+        ),
         Mode("rngcheck-op", _rngcheck(sync="op"), 'rngcheck, sync="op"'),
         # Between samples: sample_every is out of reach here; the amortised cost of one sampled
         # step in SAMPLE_EVERY is computed from the defaults' row (budgets()).

@@ -258,14 +258,22 @@ def _what(d: int | str) -> str:
 
 
 def budgets(result: dict[str, Any]) -> list[Budget]:
-    """2 ranks: defaults within 1.25x of the no-op mode, ``sync="op"`` within 2x, level="step"
-    within 1.05x of plain training."""
+    """2 ranks: defaults (the op level, selective route) within 1.10x of plain training,
+    ``sync="op"`` within 2x of the no-op mode, level="step" within 1.05x of plain training."""
     from .overhead import step_level_budgets
 
     out = []
     for d, t in _timings(result).items():
         out += step_level_budgets(f"2 ranks, {_what(d)}", t)
-        for name, limit in (("rngcheck", 1.25), ("rngcheck-op", 2.0)):
+        if {"rngcheck", "plain"} <= set(t.modes):
+            out.append(
+                Budget(
+                    f"2 ranks, {_what(d)}: {MODES['rngcheck'].label} / plain",
+                    {c: t.ratio("rngcheck", "plain", c) for c in CLOCKS},
+                    1.10,
+                )
+            )
+        for name, limit in (("rngcheck-op", 2.0),):
             if {name, "noop"} <= set(t.modes):
                 out.append(
                     Budget(

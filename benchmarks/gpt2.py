@@ -30,7 +30,7 @@ from .common import (
 
 __all__ = ["make_gpt2_step", "run", "section"]
 
-GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-step")
+GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step")
 
 
 def make_gpt2_step(
