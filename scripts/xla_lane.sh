@@ -19,12 +19,14 @@ lane_venv "$VENV" torch==2.9.0 torch-xla==2.9.0
 
 export PJRT_DEVICE=CPU
 status=0
-echo "xla lane: XLA tests (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
-"$VENV/bin/python" -m pytest -q -m xla tests/test_xla.py || status=1
+for route in selective dispatch_mode; do  # (both routes by which ops reach the checker)
+  echo "xla lane: XLA tests on the $route route (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"
+  RNGCHECK_ROUTE=$route "$VENV/bin/python" -m pytest -q -m xla tests/test_xla.py || status=1
+done
 
 shopt -s nullglob
 # (and the integrations' coverage: every hooked name resolves on torch 2.9)
-core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py tests/test_integrations.py)
+core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py tests/test_integrations.py tests/test_routes.py)
 if [ ${#core[@]} -gt 0 ]; then
   echo "xla lane: core single-process tests on torch 2.9"
   "$VENV/bin/python" -m pytest -q "${core[@]}" || status=1
