@@ -76,6 +76,7 @@ class Rounds:
         lock: Any,
         emit: Callable[[Finding], None],
         publish: Callable[[], None],
+        progress: Callable[[], None],
     ) -> None:
         self._side = side
         self._board = Board(side.name)
@@ -96,6 +97,7 @@ class Rounds:
         self._lock = lock
         self._emit = emit
         self._publish = publish
+        self._progress = progress  # after each exchange: the mode keeps its report on disk current
         self.joins: Any = None  # torch's Join (join.Joins), set by the rank checker
         self.number = 0  # one numbering for every exchange (the store's arrival notes)
         self.inflight: Round | None = None  # posted, not yet waited for
@@ -131,6 +133,7 @@ class Rounds:
                 self._publish()
         if finding is not None:
             self._emit(finding)
+        self._progress()
 
     def _exchange_now(self, point: Point, where: str, post: bool, joined: bool) -> Finding | None:
         # P2: the round posted at the previous exchange point first, before this one posts its
