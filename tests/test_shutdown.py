@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,83 @@ def test_a_script_that_swallows_every_exception_still_ends_on_sigterm(tmp_path: 
     report = Report.load(tmp_path / "rank0.json")  # saved at the optimizer step
     assert not report.completed and report.random_ops == 3  # the Linear's 2 inits, the dropout
     assert "no findings" not in err
+
+
+# -- a peer whose process ended: said at once, with what the store says of it -------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["exit", "kill", "raise"])
+def test_a_peer_whose_process_ends_is_named_at_once_with_what_the_store_says(
+    tmp_path: Path, stop: str
+) -> None:
+    # Rank 1 ends at step 3 (os._exit, SIGKILL, an exception unwinding through the script's
+    # `finally: destroy_process_group()`); rank 0 waits for it at the step's exchange. The group's
+    # timeout is 600 s: the connection that closed says what happened long before.
+    procs = _start_ranks(tmp_path, STOP=stop)
+    start = time.monotonic()
+    try:
+        _, err = procs[0].communicate(timeout=TIMEOUT)
+        took = time.monotonic() - start
+    finally:
+        _end(procs)
+    assert took < 60, err[-3000:]  # start-up, 3 steps, the store's notes: not the 600 s timeout
+    report = Report.load(tmp_path / "rank0.json")
+    (missing,) = report.findings  # not a divergence at a final exchange the crashed rank ran
+    assert missing.kind.value == "rank_missing" and missing.ranks == (1,), missing
+    assert "rank(s) 1 did not reach RNG exchange #" in missing.message, missing.message
+    assert "the connection to a peer closed" in missing.message
+    assert "within 600 s" not in missing.message and "(the timeout is 600 s)" in missing.message
+    if stop == "raise":  # the exception it ended with, as it left it on the store
+        assert missing.cause.startswith(
+            "rank 1 left the checked block early (ValueError: rank 1 fails at step 3)"
+        ), missing.cause
+    else:
+        assert missing.cause.startswith(
+            "rank(s) 1 left no note on the c10d store, where a rank that ends by a Python "
+            "exception leaves one: its process was killed"
+        ), missing.cause
+    # Rank 0 then fails in the program's own all_reduce: its closing line says so, with what it
+    # checked until then, not "no findings" as if the run had completed.
+    assert report.meta["ended_by"].startswith("RuntimeError: ") and not report.completed
+    closing = next(line for line in err.splitlines() if "random op(s) checked" in line)
+    assert closing.startswith("rngcheck: the run did not complete (it ended by RuntimeError: ")
+    assert "random op(s) checked on rank 0 of 2 until then, 1 finding(s)" in closing
+
+
+def test_rank_missing_says_when_the_store_is_gone_too_and_a_timeout_as_before() -> None:
+    # The dead rank hosted the c10d store (rank 0 under a plain env:// rendezvous): its note,
+    # if it left one, cannot be read. Seen with STOP_RANK=0: "DistNetworkError: Broken pipe".
+    from rngcheck.core.stacks import Stack
+    from rngcheck.ranks.findings import missing_finding
+
+    def finding(**how: object) -> Any:
+        return missing_finding(
+            rank=1,
+            domain=(0, 1),
+            arrived=(1,),
+            left={},
+            number=6,
+            here="an optimizer step",
+            sent_at="an optimizer step",
+            timeout=600.0,
+            last=None,
+            stack=Stack.capture(),
+            error=RuntimeError("Connection closed by peer [127.0.0.1]:34434"),
+            **how,
+        )
+
+    gone = finding(closed=True, waited=12.34, store="DistNetworkError: Broken pipe")
+    assert gone.message.startswith(
+        "rank(s) 0 did not reach RNG exchange #6: the connection to a peer closed 12.3 s into "
+        "the wait, its process ended (the timeout is 600 s); rank(s) 1 waited at"
+    ), gone.message
+    assert gone.cause.startswith(
+        "the c10d store, where rank(s) 0 would have said why they left, could not be read "
+        "(DistNetworkError: Broken pipe): its host, rank 0 or the launcher, may have ended too"
+    ), gone.cause
+    late = finding()  # a wait that ran out of time reads as it did
+    assert late.message.startswith("rank(s) 0 did not reach RNG exchange #6 within 600 s;")
 
 
 # -- in one process: the report kept on disk, and the words for a run that did not complete -----

@@ -160,6 +160,8 @@ class Activation:
         mesh = sys.modules.get("torch.distributed.device_mesh")
         if mesh is not None:  # it imported init_process_group by name; patch its copy as well
             modules.append(mesh)
+        from ..output.report import ended_by
+
         original_init = distributed_c10d.init_process_group
         original_destroy = distributed_c10d.destroy_process_group
 
@@ -172,7 +174,14 @@ class Activation:
             # The last exchange needs the group: end the checking before the group goes away.
             if group is None or group is distributed_c10d.GroupMember.WORLD:
                 try:
-                    self.stop("destroy_process_group()")  # may raise the last finding's error
+                    failed = _in_flight()
+                    if failed is None:
+                        self.stop("destroy_process_group()")  # may raise the last finding's error
+                    else:
+                        # Destroyed as an exception unwinds (a script's `finally:`): the run ends
+                        # by it, with no final exchange against ranks still mid-step (they report
+                        # this one missing, with its error, not a divergence).
+                        self._exit(type(failed), failed, failed.__traceback__, ended_by(failed))
                 finally:
                     original_destroy(group)  # freed either way
                 return None
