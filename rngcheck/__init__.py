@@ -32,6 +32,8 @@ _WHERE = {
     "SeedCall": "rngcheck.core.events",
     "Frame": "rngcheck.core.stacks",
     "Stack": "rngcheck.core.stacks",
+    "Culprit": "rngcheck.core.findings",
+    "CulpritKind": "rngcheck.core.findings",
     "Finding": "rngcheck.core.findings",
     "FindingKind": "rngcheck.core.findings",
     "Note": "rngcheck.core.findings",
@@ -53,6 +55,8 @@ _WHERE = {
 
 __all__ = [
     "CheckpointRegion",
+    "Culprit",
+    "CulpritKind",
     "Finding",
     "FindingKind",
     "Frame",
@@ -104,6 +108,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .core.events import OutOfBandChange, Phase, RandomOpEvent, SeedCall
     from .core.findings import (
+        Culprit,
+        CulpritKind,
         Finding,
         FindingKind,
         Note,

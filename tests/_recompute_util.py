@@ -81,6 +81,22 @@ def assert_recompute_finding(
     return finding
 
 
+def assert_culprit(finding: Finding, kind: str, call: str, marker: str, path: str) -> None:
+    """The finding blames exactly one call, ``call`` of kind ``kind``, as a frame at the line
+    marked ``marker`` in ``path`` (in the API and in the finding's JSON); its cause names it
+    with that line."""
+    assert [c.call for c in finding.culprits] == [call], finding.culprits
+    culprit = finding.culprits[0]
+    file, line = marked_line(marker, path)
+    assert culprit.kind.value == kind
+    assert culprit.frame is not None
+    assert (culprit.frame.filename, culprit.frame.lineno) == (file, line), culprit.frame
+    data = finding.to_dict()["culprits"][0]
+    assert (data["frame"]["filename"], data["frame"]["lineno"]) == (file, line)
+    assert (data["kind"], data["call"]) == (kind, call)
+    assert f"{call} at {os.path.basename(file)}:{line}" in finding.cause, finding.cause
+
+
 class CPURNGStatesTracker:
     """Megatron's CudaRNGStatesTracker on CPU: named streams swapped in and out of the default
     generator with torch.get_rng_state/set_rng_state."""

@@ -94,6 +94,28 @@ def test_show_renders_a_report_with_the_ops_around_the_finding(tmp_path: Path) -
     assert code == 1 and "random ops around it" not in out
 
 
+def _reseeding_step() -> None:
+    layer = torch.nn.Linear(8, 8)
+    step = {"n": 0}
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(step["n"])  # the reseed show names
+        return torch.nn.functional.dropout(layer(x), 0.5)
+
+    y = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+    step["n"] += 1
+    y.sum().backward()
+
+
+def test_show_draws_the_call_a_cause_names_with_its_line(tmp_path: Path) -> None:
+    _save_report(tmp_path / "report.json", _reseeding_step)
+    code, out = _cli("show", str(tmp_path / "report.json"))
+    assert code == 1
+    site = _line_of("the reseed show names")
+    assert f"culprit: torch.manual_seed(1) at {site}" in out
+    assert 'torch.manual_seed(step["n"])  # the reseed show names' in out.split("culprit stack")[1]
+
+
 @pytest.mark.slow
 def test_show_merges_the_per_rank_files_of_one_run(tmp_path: Path) -> None:
     for rank in (0, 1):

@@ -10,7 +10,13 @@ import _recompute_util
 import pytest
 import torch
 import torch.nn.functional as F
-from _recompute_util import CPURNGStatesTracker, assert_recompute_finding, run, short
+from _recompute_util import (
+    CPURNGStatesTracker,
+    assert_culprit,
+    assert_recompute_finding,
+    run,
+    short,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
@@ -244,6 +250,8 @@ def test_reseed_inside_the_region_names_its_call_site(reentrant):
         ],
     )
     assert "named RNG stream" not in finding.cause
+    # The reseed is a frame of the finding, not only words in its cause.
+    assert_culprit(finding, "seed", "torch.manual_seed(1)", "reseed", __file__)
 
 
 @REENTRANT
@@ -282,7 +290,7 @@ def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
             return F.dropout(lin(x), 0.1)  # <- tensor-parallel dropout
 
     report = run(lambda: checkpoint(block, _input(), use_reentrant=reentrant).sum().backward())
-    assert_recompute_finding(
+    finding = assert_recompute_finding(
         report,
         op=DROPOUT_OP,
         differs="state",
@@ -294,6 +302,8 @@ def test_named_rng_stream_that_the_checkpoint_does_not_rewind(reentrant):
             "did not rewind",
         ],
     )
+    where = _recompute_util.__file__
+    assert_culprit(finding, "restore", "torch.set_rng_state(<state>)", "tracker swap in", where)
 
 
 def test_named_stream_restored_by_the_user_is_quiet():
@@ -443,6 +453,92 @@ def test_recompute_that_runs_fewer_random_ops():
         sides=("forward",),
     )
     assert "the recompute ended after 1 random op(s); the forward ran 2" in finding.message
+
+
+def _dropout_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Dropout(0.5))
+
+
+def test_a_module_switched_to_eval_between_forward_and_backward_is_the_cause():
+    """A reentrant checkpoint recomputes with the modules as they are in backward: switched to
+    eval() before loss.backward(), its dropout does not run. The call and its line are the cause
+    (once a generic control-flow cause), and a frame of the finding."""
+    model = _dropout_model()
+
+    def step():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()  # <- checkpointed model
+        model.eval()  # <- switched to eval
+        loss.backward()
+
+    finding = assert_recompute_finding(
+        run(step),
+        op=DROPOUT_OP,
+        differs="op",
+        at="checkpointed model",
+        cause=["switched the checkpointed modules to evaluation mode", "ran in the forward but"],
+        sides=("forward",),
+    )
+    assert "the recompute ended after 0 random op(s); the forward ran 2" in finding.message
+    assert "control flow differs" not in finding.cause
+    assert_culprit(finding, "mode", "Sequential.eval()", "switched to eval", __file__)
+
+
+def test_a_submodule_switched_to_train_before_backward_is_the_cause():
+    """The other way: a dropout in eval mode in the forward, switched to train() (on the layer
+    itself, inside the checkpointed model) before backward: the recompute runs an extra op."""
+    model = _dropout_model()
+    model[3].eval()
+
+    def step():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()
+        model[3].train()  # <- switched to train
+        loss.backward()
+
+    report = run(step)
+    assert len(report.findings) == 1, [f.message for f in report.findings]
+    finding = report.findings[0]
+    assert finding.differs == "op" and "the forward ran only 1" in finding.message
+    assert "switched the checkpointed modules to training mode" in finding.cause
+    assert "ran in the recompute but not in the forward" in finding.cause
+    assert_culprit(finding, "mode", "Dropout.train()", "switched to train", __file__)
+
+
+def test_switches_that_leave_the_region_as_it_was_are_not_blamed():
+    """eval() undone by train() before backward changes nothing (quiet); a switch of a module
+    the region does not hold is not the cause of its mismatch (control flow is)."""
+    model = _dropout_model()
+
+    def undone():
+        loss = checkpoint(model, _input(), use_reentrant=True).sum()
+        model.eval()  # an evaluation between the forward and backward ...
+        model.train()  # ... that switches back
+        loss.backward()
+
+    quiet = run(undone)
+    assert quiet.ok and quiet.meta["recompute"]["compared_ops"] == 2
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.noise = True
+
+        def forward(self, x):
+            h = F.dropout(self.lin(x), 0.5, self.training)
+            return h * (torch.rand(h.shape) > 0.5) if self.noise else h
+
+    noisy, other = Noisy(), _dropout_model()
+
+    def elsewhere():
+        loss = checkpoint(noisy, _input(), use_reentrant=True).sum()
+        other.eval()  # another model's switch
+        noisy.noise = False  # what changed the region's control flow
+        loss.backward()
+
+    report = run(elsewhere)
+    assert len(report.findings) == 1
+    finding = report.findings[0]
+    assert "control flow differs" in finding.cause and not finding.culprits
 
 
 @REENTRANT

@@ -35,11 +35,13 @@ COMPOSABLE = torch_hooks.COMPOSABLE
 ENTRY = torch_hooks.HOOKS.nonreentrant  # the name torch calls per region, on this torch
 ORIGINAL_GENERATOR = getattr(tuc, ENTRY)
 ORIGINAL_FUNCTION = tuc.CheckpointFunction
+ORIGINAL_MODES = (nn.Module.train, nn.Module.eval)  # (watched for switches between passes)
 
 
 def _assert_torch_untouched() -> None:
     assert getattr(tuc, ENTRY) is ORIGINAL_GENERATOR
     assert tuc.CheckpointFunction is ORIGINAL_FUNCTION
+    assert (nn.Module.train, nn.Module.eval) == ORIGINAL_MODES
     composable = sys.modules.get(COMPOSABLE)
     if composable is not None:
         assert getattr(composable, ENTRY) is ORIGINAL_GENERATOR
@@ -54,6 +56,7 @@ def test_patches_are_in_place_inside_and_gone_after():
     with rngcheck.RNGConsistencyMode():
         assert getattr(tuc, ENTRY) is not ORIGINAL_GENERATOR
         assert tuc.CheckpointFunction is not ORIGINAL_FUNCTION
+        assert nn.Module.train is not ORIGINAL_MODES[0]
     _assert_torch_untouched()
 
 
@@ -66,6 +69,7 @@ def test_check_recompute_false_patches_nothing():
     with rngcheck.RNGConsistencyMode(check_recompute=False, on_finding="record") as mode:
         assert getattr(tuc, ENTRY) is ORIGINAL_GENERATOR
         assert tuc.CheckpointFunction is ORIGINAL_FUNCTION
+        assert (nn.Module.train, nn.Module.eval) == ORIGINAL_MODES
         checkpoint(block, torch.randn(3, requires_grad=True), use_reentrant=False).sum().backward()
     assert mode.report.ok
 

@@ -143,6 +143,89 @@ def test_report_round_trips_through_json(tmp_path):
         rngcheck.Report.from_dict({"format": 99})
 
 
+def _frames_in(data: object) -> list[dict]:
+    """Every frame record anywhere in a report's JSON."""
+    if isinstance(data, dict):
+        own = [data] if {"filename", "lineno", "name"} <= set(data) else []
+        return own + [f for v in data.values() for f in _frames_in(v)]
+    if isinstance(data, list):
+        return [f for v in data for f in _frames_in(v)]
+    return []
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_the_stacks_a_report_records_hold_none_of_the_checkers_frames(reentrant):
+    """The interceptor, the recorder, the mode and the checkpoint shims run below every random
+    op and every seeding call: none of their frames reaches a recorded stack (the JSON report
+    of a plain checkpoint finding held core/dispatch.py, session/recorder.py and
+    recompute/torch_hooks.py), while torch's and the user's frames stay."""
+    layer = torch.nn.Linear(8, 8)
+    gen = torch.Generator().manual_seed(0)
+
+    def block(x):
+        torch.manual_seed(3)  # a seeding call: its stack is recorded too
+        return layer(x) * (torch.rand(x.shape, generator=gen) > 0.5)
+
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        x = torch.randn(4, 8, requires_grad=True)
+        checkpoint(block, x, use_reentrant=reentrant).sum().backward()
+    data = json.loads(json.dumps(mode.report.to_dict()))
+    assert len(data["findings"]) == 1
+    frames = _frames_in(data)
+    files = {f["filename"] for f in frames}
+    package = os.path.dirname(rngcheck.__file__) + os.sep
+    assert not [f for f in files if f.startswith(package)], sorted(files)
+    assert __file__ in files and any(f.endswith("checkpoint.py") for f in files)
+    assert len(frames) > 10  # (the forward's, the recompute's and the context's stacks)
+
+
+def _reseeded_step() -> None:
+    """A checkpointed block that reseeds from a step counter moved before backward."""
+    layer = torch.nn.Linear(8, 8)
+    step = {"n": 0}
+
+    def block(x):
+        torch.manual_seed(step["n"])  # <- the-reseed
+        return torch.nn.functional.dropout(layer(x), 0.5)
+
+    y = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+    step["n"] += 1
+    y.sum().backward()
+
+
+def test_the_call_a_cause_names_is_a_frame_of_the_finding_in_json_and_drawings(tmp_path):
+    """The reseed the cause names is ``finding.culprits``: a frame in the API, in the saved
+    JSON (``culprits[i].frame``, what an annotation links) and loaded back, and drawn with its
+    source line on a terminal and in logs."""
+    with rngcheck.RNGConsistencyMode(on_finding="record", report_path=str(tmp_path / "r.json")):
+        _reseeded_step()
+    line = _at("the-reseed")
+    data = json.loads((tmp_path / "r.json").read_text())
+    [culprit] = data["findings"][0]["culprits"]
+    assert (culprit["kind"], culprit["call"], culprit["ranks"]) == (
+        "seed",
+        "torch.manual_seed(1)",
+        [],
+    )
+    assert (culprit["frame"]["filename"], culprit["frame"]["lineno"]) == (__file__, line)
+    assert culprit["frame"]["line"] == 'torch.manual_seed(step["n"])  # <- the-reseed'
+    assert culprit["stack"][-1] == culprit["frame"]
+    finding = rngcheck.Report.load(tmp_path / "r.json").findings[0]
+    assert finding.culprits[0].frame.lineno == line
+    assert finding.culprits[0].kind is rngcheck.CulpritKind.SEED
+    assert f"torch.manual_seed(1) at {THIS}:{line}" in finding.cause
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, width=160, color_system=None).print(
+        rngcheck.render_finding(finding)
+    )
+    drawn = out.getvalue()
+    assert f"culprit: torch.manual_seed(1) at {THIS}:{line}" in drawn
+    assert 'torch.manual_seed(step["n"])' in drawn  # its source line, in a traceback
+    plain = rngcheck.format_finding(finding)
+    assert f"  culprit: torch.manual_seed(1) at {THIS}:{line}" in plain
+    assert f'    File "{__file__}", line {line}, in block' in plain.split("culprit stack")[1]
+
+
 def test_rich_rendering_has_panel_table_and_traceback_with_the_user_line():
     finding = _record_finding()
     out = io.StringIO()

@@ -8,14 +8,17 @@ import enum
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .events import RandomOpEvent
-from .stacks import Stack
+from .events import RandomOpEvent, SeedCall
+from .stacks import Frame, Stack
 
 __all__ = [
+    "Culprit",
+    "CulpritKind",
     "Finding",
     "FindingKind",
+    "Likely",
     "Note",
     "RNGCheckCoverageWarning",
     "RNGCheckError",
@@ -95,6 +98,83 @@ class Side:
         )
 
 
+class CulpritKind(str, enum.Enum):
+    """What kind of call a likely cause blames."""
+
+    SEED = "seed"  # a seeding call: torch.manual_seed(1235), a reseed
+    RESTORE = "restore"  # a saved state set back: torch.set_rng_state, a tracker's fork()
+    MODE = "mode"  # a module switched between training and evaluation: model.eval()
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The APIs that set a saved state rather than seed (core/seeding.py's targets, torch_xla's).
+_RESTORES = ("set_rng_state", "set_rng_state_all", "set_state")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Culprit:
+    """A call the likely cause names, as data: what was called (``torch.manual_seed(1235)``), on
+    which ranks (empty in a single process), and its stack, whose innermost user frame
+    (``frame``) is the line to fix. CI annotations and editors link that frame; the cause's
+    words name the same call."""
+
+    kind: CulpritKind
+    call: str
+    stack: Stack
+    ranks: tuple[int, ...] = ()
+
+    @property
+    def frame(self) -> Frame | None:
+        """The user's line that made the call (None when no frame was captured)."""
+        return self.stack.call_site
+
+    @property
+    def site(self) -> str:
+        return self.stack.describe()
+
+    @classmethod
+    def of_call(cls, call: SeedCall, ranks: tuple[int, ...] = ()) -> Culprit:
+        """A seeding or restoring call the checker saw, as a culprit."""
+        restore = call.api.rpartition(".")[2] in _RESTORES
+        kind = CulpritKind.RESTORE if restore else CulpritKind.SEED
+        return cls(kind=kind, call=f"{call.api}({call.argument})", stack=call.stack, ranks=ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        frame = self.frame
+        return {
+            "kind": self.kind.value,
+            "call": self.call,
+            "ranks": list(self.ranks),
+            "frame": frame.to_dict() if frame is not None else None,  # (for annotations)
+            "stack": self.stack.to_list(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Culprit:
+        return cls(
+            kind=CulpritKind(data["kind"]),
+            call=str(data["call"]),
+            stack=Stack.from_list(data.get("stack", [])),
+            ranks=tuple(int(r) for r in data.get("ranks", ())),
+        )
+
+
+class Likely(NamedTuple):
+    """A likely cause, as a check's table of causes gives it: its words, and the calls they name
+    (each with its frame), for ``Finding.cause`` and ``Finding.culprits``."""
+
+    text: str
+    culprits: tuple[Culprit, ...] = ()
+
+
+def culprits_of(calls: Iterable[SeedCall], ranks: tuple[int, ...] = ()) -> tuple[Culprit, ...]:
+    """The user's seeding and restoring calls among ``calls`` (not torch's own: a checkpoint's
+    restore has no user line), as culprits on ``ranks``."""
+    return tuple(Culprit.of_call(c, ranks) for c in calls if not c.by_torch)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Finding:
     """Something went wrong with randomness: what, where (both sides), and the likely cause."""
@@ -118,6 +198,9 @@ class Finding:
     # level="step": how a finding first found between sampled steps (by generator states) was
     # then named op by op ("" when it was found op by op)
     found_by: str = ""
+    # The calls the cause names (a seeding call, a reseed, a restore, a switch to eval()), each
+    # with its frame: what annotations and editors link, beside the words of ``cause``.
+    culprits: tuple[Culprit, ...] = ()
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -162,6 +245,7 @@ class Finding:
             "first_step": self.first_step,
             "last_step": self.last_step,
             "found_by": self.found_by,
+            "culprits": [c.to_dict() for c in self.culprits],
         }
 
     @classmethod
@@ -184,6 +268,7 @@ class Finding:
             first_step=int(data.get("first_step", 0)),
             last_step=int(data.get("last_step", 0)),
             found_by=data.get("found_by", ""),
+            culprits=tuple(Culprit.from_dict(c) for c in data.get("culprits", [])),
         )
 
 

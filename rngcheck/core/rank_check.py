@@ -49,7 +49,8 @@ class RankCheck(Protocol):
 
     def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
         """A random op was drawn: judge it, and compare it at the next exchange point.
-        ``mesh``: the DeviceMesh of a DTensor op; ``written``: an in-place op's target."""
+        ``mesh``: a DTensor op's mesh and placements (what ``mesh_of`` gave); ``written``: an
+        in-place op's target."""
         ...
 
     def on_collective(self, func: Any, args: tuple = ()) -> None:
@@ -57,7 +58,8 @@ class RankCheck(Protocol):
         ...
 
     def mesh_of(self, args: tuple, kwargs: dict) -> Any:
-        """The DeviceMesh a random op runs over (a DTensor op), or None."""
+        """The DeviceMesh a random op runs over (a DTensor op), with its DTensor's placements,
+        or None."""
         ...
 
     # -- optimizer steps and the step level (session/steps.py) ---------------------------------

@@ -28,17 +28,26 @@ try:
 except ImportError:  # pragma: no cover - a torch without it: extract() as it is
     _gather = None
 
-__all__ = ["CodeFlags", "Frame", "Stack", "is_internal_file", "user_frame", "user_site"]
+__all__ = [
+    "CodeFlags",
+    "Frame",
+    "Stack",
+    "is_internal_file",
+    "is_own_file",
+    "user_frame",
+    "user_site",
+]
 
 
 def _dir_of(module_file: str) -> str:
     return os.path.dirname(os.path.abspath(module_file)) + os.sep
 
 
+_OWN_DIR = _dir_of(os.path.dirname(os.path.abspath(__file__)))  # the rngcheck package
 _INTERNAL_PREFIXES: tuple[str, ...] = tuple(
     {
         _dir_of(torch.__file__),
-        _dir_of(os.path.dirname(os.path.abspath(__file__))),  # the rngcheck package
+        _OWN_DIR,
         os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep,
     }
 )
@@ -65,6 +74,13 @@ def is_internal_file(filename: str) -> bool:
         return filename != "<stdin>" and not filename.startswith("<ipython")
     path = os.path.abspath(filename)
     return path.startswith(_INTERNAL_PREFIXES) or any(p in path for p in _INTERNAL_PARTS)
+
+
+@functools.lru_cache(maxsize=4096)
+def is_own_file(filename: str) -> bool:
+    """Whether a frame in ``filename`` is rngcheck's own (its hooks, its dispatch mode, its
+    recorder): never part of a stack it records."""
+    return not filename.startswith("<") and os.path.abspath(filename).startswith(_OWN_DIR)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,8 +221,8 @@ class Stack:
     def capture(cls, innermost: Frame | None = None) -> Stack:
         """The caller's stack (summarised only when read). ``innermost``: a frame to put below it
         (a compiled graph's source line, which no Python frame holds)."""
-        # The whole stack, always: rngcheck's and torch's frames are marked internal and
-        # filtered when read. Skipping a counted number of frames would cut into the user's
+        # The whole stack, always: torch's frames are marked internal and rngcheck's left out
+        # when it is read. Skipping a counted number of frames would cut into the user's
         # frames on torch versions with fewer wrapper frames between them and the mode.
         if _gather is not None:  # (what extract() does, without its Python call and import)
             tb = CapturedTraceback(_gather(python=True, script=False, cpp=False), 1)
@@ -231,6 +247,10 @@ class Stack:
                     user=not is_internal_file(fs.filename) and fs.name not in _MODE_HOOKS,
                 )
                 for fs in summary
+                # The checker is no part of the user's program: its frames (the interceptor,
+                # the recorder, the checkpoint shims) are left out of every stack it records,
+                # the JSON report's included, as the rendering leaves out torch's.
+                if not is_own_file(fs.filename)
             )
             if self._innermost is not None:
                 self._frames = (*self._frames, self._innermost)

@@ -17,7 +17,7 @@ from rich.traceback import Stack as RichStack
 from rich.traceback import Trace, Traceback
 
 from ..core.events import RandomOpEvent
-from ..core.findings import Finding, Side, format_ranks
+from ..core.findings import Culprit, Finding, Side, format_ranks
 from ..core.stacks import Stack
 from .report import Report
 
@@ -44,6 +44,34 @@ def _side_label(side: Side, world_size: int = 0) -> str:
         word = "rank" if len(side.ranks) == 1 else "ranks"
         return f"{side.label} ({word} {format_ranks(side.ranks, world_size)})"
     return side.label
+
+
+def _culprit_label(culprit: Culprit, world_size: int = 0) -> str:
+    """``culprit (rank 1)``."""
+    if culprit.ranks:
+        word = "rank" if len(culprit.ranks) == 1 else "ranks"
+        return f"culprit ({word} {format_ranks(culprit.ranks, world_size)})"
+    return "culprit"
+
+
+def _culprit_lines(finding: Finding, world_size: int) -> list[str]:
+    """One line per call the cause names, with its line: ``culprit (rank 1):
+    torch.manual_seed(99) at train.py:57``."""
+    return [f"{_culprit_label(c, world_size)}: {c.call} at {c.site}" for c in finding.culprits]
+
+
+def _stacks(finding: Finding, world_size: int) -> list[tuple[str, Stack, str]]:
+    """The stacks a finding shows, each with its label and caption: each side's (or its call
+    site's), then each culprit's."""
+    stacks: list[tuple[str, Stack, str]] = [
+        (_side_label(s, world_size), s.stack, _caption(s.event))
+        for s in finding.sides
+        if s.event is not None
+    ] or [("call site", finding.stack, finding.op)]
+    stacks += [
+        (_culprit_label(c, world_size), c.stack, f"{c.call} at {c.site}") for c in finding.culprits
+    ]
+    return stacks
 
 
 def _steps(first: int, last: int) -> str:
@@ -93,9 +121,7 @@ def _sides_table(sides: tuple[Side, ...], world_size: int) -> Table:
     return table
 
 
-def _caption(side_label: str, e: RandomOpEvent | None, op: str) -> str:
-    if e is None:
-        return op
+def _caption(e: RandomOpEvent) -> str:
     state = "(served from cache)" if e.cached else f"in state {_hex(e.before)}"
     return f"{e.op} drew from {e.generator.short_label} {state}"
 
@@ -139,6 +165,8 @@ def render_finding(finding: Finding, world_size: int = 0) -> RenderableType:
     parts: list[RenderableType] = [Text(finding.message, style="bold")]
     if finding.cause:
         parts.append(Text.assemble(("Likely cause: ", "bold yellow"), finding.cause))
+    for line in _culprit_lines(finding, world_size):
+        parts.append(Text(line, style="bold yellow"))
     if finding.found_by:
         parts.append(Text.assemble(("Found: ", "bold"), finding.found_by))
     repeats = repeats_line(finding)
@@ -146,14 +174,12 @@ def render_finding(finding: Finding, world_size: int = 0) -> RenderableType:
         parts.append(Text.assemble(("Recurring: ", "bold"), repeats))
     if finding.sides:
         parts.append(_sides_table(finding.sides, world_size))
-    stacks: list[tuple[str, Stack, RandomOpEvent | None]] = [
-        (_side_label(s, world_size), s.stack, s.event) for s in finding.sides if s.event is not None
-    ] or [("call site", finding.stack, None)]
-    for (label, stack, event), same in zip(stacks, _drawn_before(stacks), strict=True):
+    stacks = _stacks(finding, world_size)
+    for (label, stack, caption), same in zip(stacks, _drawn_before(stacks), strict=True):
         if same is not None:
             parts.append(Text(f"{label}: the same stack as {same}", style="bold"))
             continue
-        tb = _traceback(stack, label, _caption(label, event, finding.op))
+        tb = _traceback(stack, label, caption)
         if tb is not None:
             parts.append(Text(f"{label}:", style="bold"))
             parts.append(tb)
@@ -167,6 +193,7 @@ def format_finding(finding: Finding, world_size: int = 0) -> str:
     lines = [f"rngcheck: {finding.title} [{finding.kind.value}]", f"  {finding.message}"]
     if finding.cause:
         lines.append(f"  Likely cause: {finding.cause}")
+    lines += [f"  {line}" for line in _culprit_lines(finding, world_size)]
     if finding.found_by:
         lines.append(f"  Found: {finding.found_by}")
     repeats = repeats_line(finding)
@@ -183,10 +210,8 @@ def format_finding(finding: Finding, world_size: int = 0) -> str:
             f"  {label}: {e.op}({', '.join(e.args)}) on {e.generator.label}, "
             f"state {state}, at {e.site}"
         )
-    stacks = [
-        (_side_label(s, world_size), s.stack) for s in finding.sides if s.event is not None
-    ] or [("call site", finding.stack)]
-    for (label, stack), same in zip(stacks, _drawn_before(stacks), strict=True):
+    stacks = _stacks(finding, world_size)
+    for (label, stack, _), same in zip(stacks, _drawn_before(stacks), strict=True):
         frames = stack.user_frames[-_MAX_FRAMES:]
         if not frames:
             continue

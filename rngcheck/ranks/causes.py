@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from ..core.events import RandomOpEvent
-from ..core.findings import Side
-from .detail import Detail, Uncompared
+from ..core.events import RandomOpEvent, SeedCall
+from ..core.findings import Culprit, Likely, Side, culprits_of
+from .detail import Detail, OnMesh, Uncompared
 from .explain import (
     apart_text,
     has_advice,
@@ -20,9 +20,9 @@ from .explain import (
     uncompared_reasons,
 )
 from .generators import moved_apart
-from .verdict import Verdict
+from .verdict import Apart, Verdict
 
-__all__ = ["STATE_CAUSES", "StateEvidence", "order_of", "state_cause"]
+__all__ = ["STATE_CAUSES", "StateEvidence", "dtensor_mesh", "order_of", "state_cause"]
 
 
 def _ignored_text(
@@ -50,7 +50,9 @@ def _ignored_text(
 
 @dataclass(frozen=True)
 class StateEvidence:
-    """What a state divergence shows: the two sides, their seeding calls and uncompared ops."""
+    """What a state divergence shows: the two sides, their seeding calls (in words, ``seeds``,
+    and as records, ``calls``) and uncompared ops; whether the ops were parameter
+    initialisations (``init``), and the mesh of a DTensor op (``mesh``)."""
 
     before_differs: bool
     ref: Side
@@ -58,6 +60,12 @@ class StateEvidence:
     gen: str
     seeds: dict[tuple[int, ...], str]
     details: dict[int, Detail]
+    calls: dict[tuple[int, ...], tuple[SeedCall, ...]]
+    init: bool = False
+
+    @property
+    def mesh(self) -> OnMesh | None:
+        return dtensor_mesh(self.details)
 
     @property
     def ev(self) -> RandomOpEvent:
@@ -75,6 +83,20 @@ class StateEvidence:
     def uncompared(self, side: Side) -> Uncompared | None:
         return self.details[side.ranks[0]].uncompared
 
+    def blamed(self, *sides: Side) -> tuple[Culprit, ...]:
+        """The seeding calls of ``sides`` (each on its ranks), as culprits."""
+        return tuple(c for side in sides for c in culprits_of(self.calls[side.ranks], side.ranks))
+
+
+def dtensor_mesh(details: Mapping[int, Detail]) -> OnMesh | None:
+    """The mesh of the DTensor op at the divergent position, as any rank says; None when the op
+    is no DTensor's."""
+    return next((d.mesh for _, d in sorted(details.items()) if d.mesh is not None), None)
+
+
+def _nobody(_e: StateEvidence) -> tuple[Culprit, ...]:
+    return ()
+
 
 @dataclass(frozen=True)
 class _StateCause:
@@ -84,6 +106,8 @@ class _StateCause:
     # Told as what the divergent side's ranks did (not a cause of every rank's: a split, seeds,
     # the op's own arguments): it also says which other sides it fits, or what fits them.
     of_side: bool = False
+    # The calls its words name with their line (Finding.culprits).
+    blames: Callable[[StateEvidence], tuple[Culprit, ...]] = _nobody
 
 
 def _drew_differently(e: StateEvidence) -> str:
@@ -96,11 +120,24 @@ def _drew_differently(e: StateEvidence) -> str:
 
 
 def _seeded_differently(e: StateEvidence) -> str:
-    return (
+    seeded = (
         f"the ranks seeded {e.gen} differently: {ranks_word(e.ref.ranks)} {e.ref_seeds}; "
-        f"{ranks_word(e.odd.ranks)} {e.odd_seeds}. A seed that depends on the rank (seed + rank) "
-        "before building a replicated model makes replicas differ; seed every rank alike, and "
-        "scope per-rank streams with rngcheck.expect('differ')"
+        f"{ranks_word(e.odd.ranks)} {e.odd_seeds}. "
+    )
+    if e.mesh is not None:  # (told why the mesh must agree below: build_finding)
+        return seeded + (
+            "A seed that depends on the rank gives the ranks of a DTensor's mesh different "
+            "states, where its random ops need one: seed every rank of the mesh alike"
+        )
+    if e.init:
+        return seeded + (
+            "A seed that depends on the rank (seed + rank) before building a replicated model "
+            "makes replicas differ; seed every rank alike, and scope per-rank streams with "
+            "rngcheck.expect('differ')"
+        )
+    return seeded + (
+        "A seed that depends on the rank (seed + rank) makes ranks that must draw alike draw "
+        "apart; seed every rank alike, and scope per-rank streams with rngcheck.expect('differ')"
     )
 
 
@@ -110,30 +147,51 @@ def order_of(details: Mapping[int, Detail]) -> Verdict | None:
     return next((d.order for _, d in sorted(details.items()) if d.order is not None), None)
 
 
-def _split_order(e: StateEvidence) -> str:
-    order = order_of(e.details)
-    assert order is not None
+def _why_apart(e: StateEvidence) -> tuple[str, Apart | None, RandomOpEvent | None]:
+    """Why the generator of an order differs across the ranks: the words, how the ranks moved
+    it apart (if they did) and a rank's draw of it when they seeded it differently."""
     apart = next((d.apart for _, d in sorted(e.details.items()) if d.apart), None)
     ref = e.ref.event
-    seed_alike = ""
-    seeded = None  # a rank's draw, when the ranks seeded the generator differently
     if apart is not None:
-        why = f"{apart_text(apart)}, and it differs across ranks from there"
-    elif ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
-        seeded = ref
-        if not has_advice(order):
-            seed_alike = ", or seed that generator alike on every rank"
+        return f"{apart_text(apart)}, and it differs across ranks from there", apart, None
+    if ref is not None and None not in (ref.seed, e.ev.seed) and ref.seed != e.ev.seed:
         why = (
             f"it is seeded differently on each rank (initial seed {ref.seed} on "
             f"{ranks_word(e.ref.ranks)}, {e.ev.seed} on {ranks_word(e.odd.ranks)})"
         )
-    elif (moved := moved_apart(e.details)) is not None:
-        why = f"{apart_text(moved[1])}, and it differs across ranks from there"
-    else:
-        why = next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e))
+        return why, None, ref
+    if (moved := moved_apart(e.details)) is not None:
+        return f"{apart_text(moved[1])}, and it differs across ranks from there", moved[1], None
+    return next(c.says(e) for c in STATE_CAUSES[1:] if c.when(e)), None, None
+
+
+def _split_order(e: StateEvidence) -> str:
+    order = order_of(e.details)
+    assert order is not None
+    why, _, seeded = _why_apart(e)
+    seed_alike = ""
+    if seeded is not None and not has_advice(order):
+        seed_alike = ", or seed that generator alike on every rank"
     what = order_what(order, e.gen)
     advice = order_advice(order, seeded)
     return f"{what} Why {e.gen} differs: {why}. {advice}{seed_alike}"
+
+
+def _split_order_blames(e: StateEvidence) -> tuple[Culprit, ...]:
+    """The restores an order's cause names (each rank restored a state of its own), or the
+    calls of the row it falls back on."""
+    _, apart, seeded = _why_apart(e)
+    if apart is not None:
+        if apart.reason is None:  # (apart_text names the restore)
+            return tuple(
+                c
+                for side in (e.ref, e.odd)
+                for c in culprits_of(e.calls[side.ranks][-1:], side.ranks)
+            )
+        return ()
+    if seeded is not None:
+        return ()
+    return next(c.blames(e) for c in STATE_CAUSES[1:] if c.when(e))
 
 
 # Why ranks that must hold the same state do not: the first row whose condition holds wins.
@@ -142,6 +200,7 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
         "an order every rank walks",
         lambda e: e.before_differs and order_of(e.details) is not None,
         _split_order,
+        blames=_split_order_blames,
     ),
     _StateCause(
         "the op drew differently",
@@ -152,6 +211,7 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
         "seeded differently",
         lambda e: bool(e.odd_seeds and e.ref_seeds and e.odd_seeds != e.ref_seeds),
         _seeded_differently,
+        blames=lambda e: e.blamed(e.ref, e.odd),
     ),
     _StateCause(
         "uncompared ops moved the generator",
@@ -164,6 +224,7 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
         lambda e: bool(e.odd_seeds),
         lambda e: f"{ranks_word(e.odd.ranks)} changed {e.gen} outside a random op: {e.odd_seeds}",
         of_side=True,
+        blames=lambda e: e.blamed(e.odd),
     ),
     _StateCause(
         "changed out of band",
@@ -173,6 +234,7 @@ STATE_CAUSES: tuple[_StateCause, ...] = (
             f"{e.ev.out_of_band.describe() if e.ev.out_of_band else ''}"
         ),
         of_side=True,
+        blames=lambda e: e.blamed(e.odd),
     ),
     _StateCause(
         "a user generator out of view",
@@ -199,19 +261,23 @@ def _cause_row(evidence: StateEvidence) -> _StateCause:
     return next(c for c in STATE_CAUSES if c.when(evidence))
 
 
-def state_cause(evidence: StateEvidence, others: Sequence[Side]) -> str:
-    """The cause, told of the divergent side; a cause told as what those ranks did also says
-    which other sides (ranks in a third state or more) it fits, or what fits them instead."""
+def state_cause(evidence: StateEvidence, others: Sequence[Side]) -> Likely:
+    """The cause, told of the divergent side, with the calls it blames; a cause told as what
+    those ranks did also says which other sides (ranks in a third state or more) it fits, and
+    blames their calls too, or what fits them instead."""
     row = _cause_row(evidence)
     text = row.says(evidence)
+    culprits = row.blames(evidence)
     if not others or not row.of_side:
-        return text
+        return Likely(text, culprits)
     alike: list[int] = []
     apart: list[str] = []
     for side in others:
-        other = _cause_row(replace(evidence, odd=side))
+        told_of = replace(evidence, odd=side)
+        other = _cause_row(told_of)
         if other is row:
             alike += side.ranks
+            culprits += row.blames(told_of)
         else:
             apart.append(f"on {ranks_word(side.ranks)}, {other.name}")
     text = text.rstrip(".")
@@ -220,4 +286,4 @@ def state_cause(evidence: StateEvidence, others: Sequence[Side]) -> str:
     if apart:
         told = "; ".join(apart)
         text += f". {told[0].upper()}{told[1:]}"
-    return text
+    return Likely(text, culprits)

@@ -29,7 +29,7 @@ from .divergence import Divergences
 from .exchange import PeerLost, SideGroup
 from .explain import coverage_text, rank_notes
 from .generators import GeneratorStates
-from .groups import GroupResolver, Spans, op_mesh
+from .groups import GroupResolver, MeshOp, Spans, op_mesh
 from .hooks import Hooks, JoinSeen, library_version
 from .integrations import registered
 from .integrations.records import Frames, Hook, Integration, Wrapper
@@ -167,7 +167,8 @@ class RankChecker:
     # -- inputs from the mode ----------------------------------------------------------------
 
     def on_event(self, event: RandomOpEvent, mesh: Any = None, written: Any = None) -> None:
-        """A random op of this rank; ``written``: the tensor an in-place op wrote, if any."""
+        """A random op of this rank; ``mesh``: a DTensor op's (a ``MeshOp``, from
+        :meth:`mesh_of`); ``written``: the tensor an in-place op wrote, if any."""
         if self.rounds.stopped or self.rounds.busy:
             return
         if self._joins.apart:  # P7: each rank runs its own iterations now
@@ -180,7 +181,7 @@ class RankChecker:
                 with self._lock:
                     level.pass_draw(event, self._steps + 1)
             return
-        verdict = self.judge.judge(event, mesh, written)
+        verdict = self.judge.judge(event, mesh.mesh if mesh is not None else None, written)
         with self._lock:
             if not verdict.compared:
                 self.window.skip(event, verdict, self.rank)
@@ -242,8 +243,9 @@ class RankChecker:
         return level.digests.passes_compared if level is not None else 0
 
     @staticmethod
-    def mesh_of(args: tuple, kwargs: dict) -> Any:
-        """The DeviceMesh a random op runs over (a DTensor op), or None."""
+    def mesh_of(args: tuple, kwargs: dict) -> MeshOp | None:
+        """The DeviceMesh a random op runs over (a DTensor op) with its DTensor's placements, or
+        None."""
         return op_mesh(args, kwargs)
 
     def on_collective(self, func: Any, args: tuple = ()) -> None:

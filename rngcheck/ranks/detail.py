@@ -11,7 +11,7 @@ from typing import Any
 from ..core.events import RandomOpEvent, SeedCall
 from .verdict import Apart, Verdict
 
-__all__ = ["Detail", "Seeded", "Uncompared"]
+__all__ = ["Detail", "OnMesh", "Seeded", "Uncompared"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,35 @@ class Uncompared:
             site=str(data["site"]),
             why=Verdict.from_dict(data["why"]),
             alone=Verdict.from_dict(alone) if alone else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OnMesh:
+    """The mesh a DTensor random op ran over, as the op's verdict compared it: the mesh's ranks
+    (DTensor's contract: every one holds the same generator state before and after each random
+    op), its shape and dimension names, and the placements of the op's DTensor over it."""
+
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    placements: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "shape": list(self.shape),
+            "dims": list(self.dims),
+            "placements": list(self.placements),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OnMesh:
+        return cls(
+            ranks=tuple(int(r) for r in data.get("ranks", ())),
+            shape=tuple(int(n) for n in data.get("shape", ())),
+            dims=tuple(str(d) for d in data.get("dims", ())),
+            placements=tuple(str(p) for p in data.get("placements", ())),
         )
 
 
@@ -84,6 +113,7 @@ class Detail:
     lines: dict[str, list[int]] = field(default_factory=dict)
     spot_line: str = ""
     spot_at: int = -1  # this rank's position at the divergence in its window (its end: no op)
+    mesh: OnMesh | None = None  # the mesh of a DTensor op there (None: no DTensor's)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,12 +130,13 @@ class Detail:
             "lines": self.lines,
             "spot_line": self.spot_line,
             "spot_at": self.spot_at,
+            "mesh": self.mesh.to_dict() if self.mesh is not None else None,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Detail:
         event, uncompared = data.get("event"), data.get("uncompared")
-        apart, order = data.get("apart"), data.get("order")
+        apart, order, mesh = data.get("apart"), data.get("order"), data.get("mesh")
         return cls(
             event=RandomOpEvent.from_dict(event) if event else None,
             point=str(data["point"]),
@@ -120,4 +151,5 @@ class Detail:
             lines={str(k): [int(i) for i in v] for k, v in data.get("lines", {}).items()},
             spot_line=str(data.get("spot_line", "")),
             spot_at=int(data.get("spot_at", -1)),
+            mesh=OnMesh.from_dict(mesh) if mesh else None,
         )

@@ -151,12 +151,13 @@ class Divergences:
                 lines=lines,
                 spot_line=spot_line,
                 spot_at=index if 0 <= index < len(events) else len(windows[rank]),
+                mesh=taken.meshes.get(index),
             )
             details = {
                 r: Detail.from_dict(d) for r, d in self._side.gather_json(mine.to_dict()).items()
             }
             try:
-                finding = build_finding(spot, view, details, self._domain)
+                finding = build_finding(spot, view, details, self._domain, init=init)
             except Exception as e:  # noqa: BLE001 - never let a describing bug escape into training
                 log.exception("rngcheck could not describe a cross-rank divergence")
                 return Finding(

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..core.events import RandomOpEvent
 from ..core.findings import Note, format_ranks
-from .detail import Seeded, Uncompared
+from .detail import OnMesh, Seeded, Uncompared
 from .integrations import hook_of, registered
 from .integrations.records import Hook, Integration
 from .verdict import LEARNT, Apart, Compare, Domain, Reason, Verdict
@@ -25,6 +25,7 @@ __all__ = [
     "coverage_text",
     "exempted_note",
     "learnt_marker",
+    "mesh_text",
     "order_advice",
     "order_what",
     "own_draws",
@@ -81,6 +82,22 @@ def uncompared_reasons(uncompared: Uncompared) -> str:
         if alone != why:
             return f"{why} or {alone}"
     return why
+
+
+def mesh_text(mesh: OnMesh) -> str:
+    """Why the ranks of a DTensor op's mesh must agree: the mesh and the op's placements."""
+    ranks = ranks_word(mesh.ranks)
+    shape = "x".join(map(str, mesh.shape)) + " " if len(mesh.shape) > 1 else ""
+    dims = ""
+    if mesh.dims:
+        word = "dimensions" if len(mesh.dims) > 1 else "dimension"
+        dims = f" ({word} {', '.join(repr(d) for d in mesh.dims)})"
+    return (
+        f"The op ran on a DTensor placed [{', '.join(mesh.placements)}] over a {shape}DeviceMesh"
+        f"{dims} of {ranks}: DTensor's contract is that every rank of the mesh holds the same "
+        "generator state before and after each random op (with its RNG tracker, DTensor gives "
+        f"each shard its own numbers from that one state), so {ranks} must agree here"
+    )
 
 
 # -- where a rank drew for its own batch, and how the ranks moved a generator apart ---------------

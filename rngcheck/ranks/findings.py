@@ -8,12 +8,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from ..core.events import RandomOpEvent
-from ..core.findings import Finding, FindingKind, Side, format_ranks
+from ..core.findings import Culprit, Finding, FindingKind, Side, culprits_of, format_ranks
 from ..core.stacks import Stack
-from .causes import StateEvidence, state_cause
+from .causes import StateEvidence, dtensor_mesh, state_cause
 from .detail import Detail
-from .explain import order_advice, order_what, ranks_word
-from .generators import rank_groups, reseeded_by_user, seed_text
+from .explain import mesh_text, order_advice, order_what, ranks_word
+from .generators import rank_groups, reseeded_by_user, seed_calls_of, seed_text
 from .localise import Spot, extra_ops, in_order
 from .protocol import PEERS, Point, Row, gen_key
 from .step_digest import seeds_said
@@ -59,7 +59,24 @@ def point_text(point: Point, where: str, stack: Stack) -> str:
 
 
 def build_finding(
-    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple
+    spot: Spot,
+    windows: dict[int, list[Row]],
+    details: dict[int, Detail],
+    domain: tuple,
+    *,
+    init: bool = False,
+) -> Finding:
+    """The finding at ``spot`` (``init``: the rows are parameter initialisations, settled at the
+    first step); on a DTensor op, with why its mesh's ranks must agree."""
+    finding = _build_finding(spot, windows, details, domain, init)
+    mesh = dtensor_mesh(details)
+    if mesh is not None and spot.policy != PEERS:
+        finding = replace(finding, cause=f"{finding.cause.rstrip('.')}. {mesh_text(mesh)}")
+    return finding
+
+
+def _build_finding(
+    spot: Spot, windows: dict[int, list[Row]], details: dict[int, Detail], domain: tuple, init: bool
 ) -> Finding:
     if spot.kind == "flow" and spot.policy == PEERS and spot.stream:
         # What the peers of a data-parallel forward run: among them, over their stream's rows.
@@ -84,7 +101,7 @@ def build_finding(
     events = {r: d.event for r, d in involved.items()}
     if spot.kind == "collision":
         return _collision_finding(events, details)
-    finding = _state_finding(events, details)
+    finding = _state_finding(events, details, init)
     if spot.policy == PEERS:  # (peers of a data-parallel forward, by their batch)
         return _among_peers(finding, involved, details, seeding=True)
     return finding
@@ -149,6 +166,7 @@ def _flow_finding(
     culprit = 1
     extra_side: tuple[int, ...] | None = None
     extra = 0
+    culprits: tuple[Culprit, ...] = ()  # the calls the cause names
     if kb and (not ka or kb <= ka):
         extra_side, extra = b, kb
     elif ka:
@@ -197,6 +215,7 @@ def _flow_finding(
                 f"{ev.out_of_band.describe()}: a generator reseeded or restored on some ranks "
                 "only draws apart from there; seed (or restore) it alike on every rank"
             )
+            culprits = culprits_of(ev.out_of_band.user_calls, extra_side)
         elif any(_DATA_DIR in f.filename for f in ev.stack.frames):
             cause += (
                 ". It was drawn by a DataLoader iterator: iter(DataLoader) draws its base seed "
@@ -259,6 +278,7 @@ def _flow_finding(
         other_stack=other.event.stack if other.event is not None else None,
         sides=sides,
         seq=lead.seq,
+        culprits=culprits,
     )
 
 
@@ -359,10 +379,13 @@ def _points_finding(details: dict[int, Detail], domain: tuple) -> Finding:
     )
 
 
-def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, Detail]) -> Finding:
+def _state_finding(
+    events: dict[int, RandomOpEvent | None], details: dict[int, Detail], init: bool = False
+) -> Finding:
     evs = {r: e for r, e in events.items() if e is not None}
     before_differs = len({e.before for e in evs.values()}) > 1
     groups = rank_groups({r: (e.before if before_differs else e.after) for r, e in evs.items()})
+    calls = {g: seed_calls_of(details[g[0]], evs[g[0]]) for g in groups}
     seeds = {g: seed_text(details[g[0]], evs[g[0]]) for g in groups}
 
     def suspect(g: tuple[int, ...]) -> bool:  # did something change the generator here?
@@ -381,8 +404,8 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
     ev = odd.event
     assert ev is not None and ref.event is not None
     gen = ev.generator.label
-    evidence = StateEvidence(before_differs, ref, odd, gen, seeds, details)
-    cause = state_cause(evidence, sides[2:])
+    evidence = StateEvidence(before_differs, ref, odd, gen, seeds, details, calls, init)
+    cause, culprits = state_cause(evidence, sides[2:])
     what = "before" if before_differs else "after"
     if len(sides) > 2 and all(len(s.ranks) == 1 for s in sides):
         apart = f"{ranks_word(sorted(evs))} each hold a different state"
@@ -405,6 +428,7 @@ def _state_finding(events: dict[int, RandomOpEvent | None], details: dict[int, D
         other_stack=ref.event.stack,
         sides=sides,
         seq=ev.seq,
+        culprits=culprits,
     )
 
 
@@ -420,6 +444,7 @@ def _collision_finding(
     )
     ev = evs[shared[0][0]]
     seeds = seed_text(details[shared[0][0]], ev)
+    culprits = culprits_of(seed_calls_of(details[shared[0][0]], ev), shared[0]) if seeds else ()
     cause = (
         f"{ranks_word(shared[0])} hold the same {ev.generator.label} state under "
         "expect('differ'): the per-rank stream was not offset by rank"
@@ -439,6 +464,7 @@ def _collision_finding(
         stack=ev.stack,
         sides=sides,
         seq=ev.seq,
+        culprits=culprits,
     )
 
 
@@ -528,7 +554,7 @@ def replica_finding(
     events = {r: details[r].event for r in members if r in details}
     drawn = {r: e for r, e in events.items() if e is not None}
     if len(drawn) == len(members) and len({e.before for e in drawn.values()}) > 1:
-        found = _state_finding(dict(drawn), details)
+        found = _state_finding(dict(drawn), details, init=True)
         return init_finding(replace(found, ranks=members), details)
     groups = rank_groups({r: d if d is not None else -1 for r, d in digests.items()})
     ordered, labels = _labels(groups, len(groups) - 1)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core.events import RandomOpEvent
+from ..core.events import RandomOpEvent, SeedCall
 from .detail import Detail, Seeded
 from .explain import OWN_REASONS, apart_text
 from .localise import Spot
@@ -43,6 +43,7 @@ __all__ = [
     "per_rank_seeding",
     "rank_groups",
     "reseeded_by_user",
+    "seed_calls_of",
     "seed_text",
 ]
 
@@ -166,11 +167,17 @@ def _seeded_alike(events: Iterable[RandomOpEvent | None]) -> bool:
     return len(seeds) == 1 and None not in seeds
 
 
+def seed_calls_of(detail: Detail, event: RandomOpEvent) -> tuple[SeedCall, ...]:
+    """The user's seeding calls that reached ``event``'s generator on a rank: those since its
+    last op, else (its first op) those since the mode started."""
+    if event.out_of_band is not None and event.out_of_band.user_calls:
+        return event.out_of_band.user_calls
+    return detail.seed_calls
+
+
 def seed_text(detail: Detail, event: RandomOpEvent) -> str:
     """The seeding calls that reached ``event``'s generator on a rank, in words."""
-    if event.out_of_band is not None and event.out_of_band.user_calls:
-        return event.out_of_band.describe()
-    return "; ".join(c.text for c in detail.seed_calls)
+    return "; ".join(c.text for c in seed_calls_of(detail, event))
 
 
 def _ordered(details: Mapping[int, Detail]) -> bool:

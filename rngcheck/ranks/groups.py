@@ -5,21 +5,39 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-__all__ = ["GroupResolver", "Spans", "check_disjoint", "is_mesh", "op_mesh", "resolve_group"]
+__all__ = [
+    "GroupResolver",
+    "MeshOp",
+    "Spans",
+    "check_disjoint",
+    "is_mesh",
+    "op_mesh",
+    "resolve_group",
+]
 
 _MAX_GROUPS = 256  # resolved group specs kept
 
 
-def op_mesh(args: tuple, kwargs: dict) -> Any:
-    """The DeviceMesh of an op's first DTensor argument, or None."""
+class MeshOp(NamedTuple):
+    """A DTensor op's DeviceMesh and the placements of its first DTensor argument over it."""
+
+    mesh: Any
+    placements: tuple[Any, ...]
+
+
+def op_mesh(args: tuple, kwargs: dict) -> MeshOp | None:
+    """The DeviceMesh of an op's first DTensor argument, with that argument's placements; None
+    when the op has no DTensor argument."""
     for v in (*args, *kwargs.values()):
         mesh = getattr(v, "device_mesh", None)
-        if mesh is not None and hasattr(v, "placements"):
-            return mesh
+        if mesh is not None:
+            placements = getattr(v, "placements", None)
+            if placements is not None:
+                return MeshOp(mesh, tuple(placements))
     return None
 
 

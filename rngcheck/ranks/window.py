@@ -12,9 +12,9 @@ from typing import Any, NamedTuple
 
 from ..core.events import RandomOpEvent
 from ..core.policy import current_expectation
-from .detail import Uncompared
+from .detail import OnMesh, Uncompared
 from .generators import GeneratorStates
-from .groups import GroupResolver
+from .groups import GroupResolver, MeshOp
 from .protocol import POLICY_CODE, Row, gen_key, text_hash
 from .verdict import Compare, Domain, Verdict
 
@@ -39,6 +39,18 @@ class _Unchecked(NamedTuple):
         return Uncompared(self.ops, self.event.op, self.event.site, self.why, self.alone)
 
 
+def on_mesh(on: MeshOp) -> OnMesh:
+    """A DTensor op's mesh, as a divergence tells it."""
+    mesh = on.mesh
+    grid = mesh.mesh
+    return OnMesh(
+        ranks=tuple(sorted(int(r) for r in grid.flatten().tolist())),
+        shape=tuple(int(n) for n in grid.shape),
+        dims=tuple(str(d) for d in (mesh.mesh_dim_names or ())),
+        placements=tuple(repr(p) for p in on.placements),  # ("Shard(dim=0)"; str: "S(0)")
+    )
+
+
 @dataclass(slots=True)
 class Taken:
     """One round's window, taken from the pending one (kept until the round is settled, so a
@@ -50,6 +62,7 @@ class Taken:
     uncompared: dict[int, _Unchecked] = field(default_factory=dict)  # index -> ops before it
     orders: dict[int, Verdict] = field(default_factory=dict)  # index -> the order it drew
     calls: dict[int, str] = field(default_factory=dict)  # index -> the generate() call's model
+    meshes: dict[int, OnMesh] = field(default_factory=dict)  # index -> a DTensor op's mesh
     in_order: int = 0  # rows in the group's order (all but peers rows)
     kinds: list[str] = field(default_factory=list)  # per row: how it compares ("": not counted)
 
@@ -96,11 +109,13 @@ class Window:
         else:
             self._uncompared[key] = _Unchecked(1, event, why, alone)
 
-    def add(self, event: RandomOpEvent, verdict: Verdict, mesh: Any, written: Any) -> None:
+    def add(self, event: RandomOpEvent, verdict: Verdict, on: MeshOp | None, written: Any) -> None:
         """Record a compared op as its verdict says: in the group's order, by state or what runs;
         as a call (the state it starts from: what it samples, its arguments and the state after,
-        are the rank's own); or among its peers alone (by state, outside the group's order)."""
+        are the rank's own); or among its peers alone (by state, outside the group's order).
+        ``on``: a DTensor op's mesh and placements."""
         now = self.now
+        mesh = on.mesh if on is not None else None
         index = len(now.events)
         peers = verdict.domain is Domain.PEERS
         call = verdict.subject if verdict.compare is Compare.CALL else ""
@@ -134,6 +149,8 @@ class Window:
             now.in_order += 1
         if order:
             now.orders[index] = verdict
+        if on is not None:  # (why its ranks must agree, should they not)
+            now.meshes[index] = on_mesh(on)
         if call:
             now.calls[index] = call
             # (what the call drew is the rank's own, as the rest of it)

@@ -16,17 +16,21 @@ from functools import cached_property
 import torch
 
 from ..core.events import RandomOpEvent, SeedCall
+from ..core.findings import Culprit, CulpritKind, Likely, culprits_of
 from .region import Region
+from .switches import Switch, standing
 
 __all__ = [
     "CAUSES",
     "Cause",
     "Evidence",
     "compiled_checkpoint_cause",
+    "control_flow",
     "control_flow_cause",
     "first_difference",
     "likely_cause",
 ]
+
 
 # Seeding APIs that reseed (as opposed to set_rng_state, which swaps a saved state in).
 _RESEED_APIS = ("manual_seed", "manual_seed_all", "seed", "seed_all")
@@ -110,6 +114,29 @@ def control_flow_cause() -> str:
     )
 
 
+def control_flow(region: Region) -> Likely:
+    """Why the region's passes ran different random ops: a ``train()``/``eval()`` call that
+    switched its modules between them (``switches.py``), else control flow in general."""
+    switch = standing(region)
+    if switch is not None:
+        return _switched(switch)
+    return Likely(control_flow_cause())
+
+
+def _switched(switch: Switch) -> Likely:
+    mode = "training" if switch.training else "evaluation"
+    passes = ("in the recompute but not in the forward", "in the forward but not in the recompute")
+    text = (
+        f"{switch.call} at {switch.stack.describe()} switched the checkpointed modules to {mode} "
+        "mode after the forward and before the recompute: a checkpoint recomputes with the "
+        "modules as they are when backward runs, so the random ops that run only in training "
+        f"mode (dropout) ran {passes[0] if switch.training else passes[1]}, and the gradients "
+        "were computed through another forward than the one the loss came from. Switch modes "
+        "after loss.backward() (or before the forward), not between them."
+    )
+    return Likely(text, (Culprit(kind=CulpritKind.MODE, call=switch.call, stack=switch.stack),))
+
+
 @dataclass(frozen=True)
 class Evidence:
     """What a mismatch shows: the region, the position, both events, what differs first."""
@@ -151,13 +178,19 @@ class Evidence:
         return self.region.preserve_rng_state is False and self.r.generator.is_default
 
 
+def _nobody(_e: Evidence) -> tuple[Culprit, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class Cause:
-    """One row of the table: when it applies, and what it says."""
+    """One row of the table: when it applies, what it says, and the calls it blames (the ones
+    its words name with their line)."""
 
     name: str
     when: Callable[[Evidence], bool]
     says: Callable[[Evidence], str]
+    blames: Callable[[Evidence], tuple[Culprit, ...]] = _nobody
 
 
 def _sac(e: Evidence) -> str:
@@ -204,6 +237,12 @@ CAUSES: tuple[Cause, ...] = (
             "change it only after backward."
         ),
     ),
+    Cause(
+        "train()/eval() between the passes",
+        lambda e: e.differs == "op" and standing(e.region) is not None,
+        lambda e: control_flow(e.region).text,
+        lambda e: control_flow(e.region).culprits,
+    ),
     Cause("control flow", lambda e: e.differs == "op", lambda e: control_flow_cause()),
     Cause(
         "generator chosen at run time",
@@ -234,11 +273,17 @@ CAUSES: tuple[Cause, ...] = (
         lambda e: e.region.kind == "torch_xla" and e.r.generator.device.startswith("xla"),
         lambda e: _xla_cause(e.region, e.gen),
     ),
-    Cause("reseeded inside the region", lambda e: bool(e.reseeds), _reseeded),
+    Cause(
+        "reseeded inside the region",
+        lambda e: bool(e.reseeds),
+        _reseeded,
+        lambda e: culprits_of(e.reseeds[-1:]),
+    ),
     Cause(
         "named stream swapped in",
         _swapped_alike,
         lambda e: _stream_cause(e.gen, e.swaps_recompute[-1]),
+        lambda e: culprits_of(e.swaps_recompute[-1:]),
     ),
     Cause(
         "a checkpoint rngcheck does not know",
@@ -311,6 +356,7 @@ CAUSES: tuple[Cause, ...] = (
             _continues_forward(e.region, e.r) and (not e.region.custom or bool(e.swaps_forward))
         ),
         lambda e: _stream_cause(e.gen, e.swaps_forward[-1] if e.swaps_forward else None),
+        lambda e: culprits_of(e.swaps_forward[-1:]),
     ),
     Cause(
         "custom checkpoint did not restore",
@@ -334,10 +380,13 @@ CAUSES: tuple[Cause, ...] = (
 )
 
 
-def likely_cause(region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: str) -> str:
-    """The first row of :data:`CAUSES` that applies, in words."""
+def likely_cause(
+    region: Region, k: int, f: RandomOpEvent, r: RandomOpEvent, differs: str
+) -> Likely:
+    """The first row of :data:`CAUSES` that applies: its words and the calls it blames."""
     evidence = Evidence(region, k, f, r, differs)
-    return next(c.says(evidence) for c in CAUSES if c.when(evidence))
+    row = next(c for c in CAUSES if c.when(evidence))
+    return Likely(row.says(evidence), row.blames(evidence))
 
 
 def compiled_checkpoint_cause(label: str) -> str:

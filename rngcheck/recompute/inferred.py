@@ -174,4 +174,4 @@ class InferredRecomputes:
         if differs:
             region.failed = True
             cause = likely_cause(region, k, f, r, differs)
-            self._emit(mismatch_finding(region, k, f, r, differs, detail, cause))
+            self._emit(mismatch_finding(region, k, f, r, differs, detail, *cause))

@@ -42,13 +42,18 @@ class ModuleNames:
     def describe(self, function: Any) -> str:
         """``"model.layers.3 (LlamaDecoderLayer)"`` when ``function`` is (a wrapper of) a module
         or one of its methods; ``""`` when it is not."""
+        return self.held(function)[1]
+
+    def held(self, function: Any) -> tuple[weakref.ReferenceType[nn.Module] | None, str]:
+        """A weak reference to the module ``function`` runs (None when it runs none) and what
+        :meth:`describe` says of it: the module a checkpointed region holds."""
         # (checkpoint(layer, x): no unwrapping)
         module = function if isinstance(function, nn.Module) else _module_of(function)
         if module is None:
-            return ""
+            return None, ""
         known = self._described.get(id(module))  # a dict lookup: no weakref made to ask
         if known is not None and known[0]() is module:
-            return known[1]
+            return known
         name = self._names.get(module)
         if name is None:
             self._learn(module)
@@ -57,8 +62,8 @@ class ModuleNames:
         text = f"{name} ({cls})" if name else cls
         if len(self._described) > 65536:
             self._described.clear()
-        self._described[id(module)] = (weakref.ref(module), text)
-        return text
+        known = self._described[id(module)] = (weakref.ref(module), text)
+        return known
 
     def known(self, function: Any) -> str:
         """What :meth:`describe` said of ``function``'s module, if it was asked before; else

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..core.events import RandomOpEvent
-from ..core.findings import Finding, FindingKind, Side
+from ..core.findings import Culprit, Finding, FindingKind, Side
 
 __all__ = ["Region", "devices_of", "mismatch_finding"]
 
@@ -24,6 +24,11 @@ class _RegionFields:
     # sampled steps of level="step": its layer names it)
     site: str
     module: str = ""  # the checkpointed layer: "model.layers.3 (LlamaDecoderLayer)"
+    held: Any = None  # a weak reference to that layer (None: the function is no module's)
+    # Module.train()/eval() calls that switched the layer's modules while the region waited
+    # for its recompute (switches.Switch; switches.py keeps them)
+    switches: tuple[Any, ...] = ()
+    modes: dict[int, bool] | None = None  # its modules' training flags in its forward, by id
     preserve_rng_state: bool | None = True  # None: unknown (custom checkpoint functions)
     # torch.compile's checkpoint operator ran the region as captured, with the
     # preserve_rng_state=False it always passes (a backend without AOT autograd: "eager")
@@ -82,9 +87,11 @@ def mismatch_finding(
     differs: str,
     detail: str,
     cause: str,
+    culprits: tuple[Culprit, ...] = (),
 ) -> Finding:
     """The recompute_mismatch of ``region`` at its random op ``k``: the forward's event ``f`` and
-    the recompute's ``r`` (either None when that pass ran no random op there)."""
+    the recompute's ``r`` (either None when that pass ran no random op there); ``culprits``: the
+    calls ``cause`` names."""
     shown = r if r is not None else f
     assert shown is not None
     return Finding(
@@ -102,6 +109,7 @@ def mismatch_finding(
         ),
         seq=shown.seq,
         context=tuple(region.forward[max(0, k - 4) : k + 2]),
+        culprits=culprits,
     )
 
 

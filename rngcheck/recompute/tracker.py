@@ -23,12 +23,13 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ..core.events import FORWARD, RECOMPUTE, Phase, RandomOpEvent
-from ..core.findings import Finding
+from ..core.findings import Finding, Likely
 from ..core.stacks import user_site
-from .causes import control_flow_cause, first_difference, likely_cause
+from .causes import control_flow, first_difference, likely_cause
 from .modules import ModuleNames
 from .probe import StateProbe
 from .region import Region, devices_of, mismatch_finding
+from .switches import ModeSwitches
 from .torch_hooks import TorchCheckpointPatches
 
 __all__ = ["RecomputeTracker"]
@@ -88,6 +89,8 @@ class RecomputeTracker:
             _RestoredPasses, self
         )
         self._modules = ModuleNames()
+        # Module.train()/eval() calls on the modules of regions that wait for their recompute.
+        self._switches = ModeSwitches(self._waiting_regions)
         self.probe: StateProbe | None = None  # level="step": generator states, between samples
         # Regions whose forward ended and whose recompute has not begun, by number (held
         # weakly: a graph freed without backward takes its regions with it; the dead ones are
@@ -107,10 +110,12 @@ class RecomputeTracker:
     def install(self) -> None:
         self.live = True
         self._patches.install()
+        self._switches.install()
         RecomputeTracker._installed = self
 
     def uninstall(self) -> None:
         self.live = False
+        self._switches.uninstall()
         self._patches.uninstall()
         if RecomputeTracker._installed is self:
             RecomputeTracker._installed = None
@@ -128,6 +133,12 @@ class RecomputeTracker:
                 return True
             waiting.pop(number, None)  # (another thread may have dropped it first)
         return False
+
+    def _waiting_regions(self) -> list[Region]:
+        """The regions whose forward ended and whose recompute has not begun (not a
+        _RestoredPasses, which records nothing)."""
+        found = [ref() for ref in list(self._waiting.values())]
+        return [r for r in found if isinstance(r, Region)]
 
     def _forward_ended(self, region: Region | _RestoredPasses) -> None:
         """A region's forward ended normally: it waits for its recompute."""
@@ -174,7 +185,7 @@ class RecomputeTracker:
     ) -> Region:
         """A region entered now (``devices``: those of ``args`` when not given)."""
         self.stats["regions"] += 1
-        module = self._modules.describe(function) if function is not None else ""
+        held, module = self._modules.held(function) if function is not None else (None, "")
         probe = self.probe
         # Between sampled steps a region of a layer is named by the layer (a dict lookup once
         # known) and its line is not looked for (walking to the user's frame was a fifth of a
@@ -186,6 +197,7 @@ class RecomputeTracker:
             name=name,
             site=site,
             module=module,
+            held=held,
             preserve_rng_state=preserve_rng_state,
             devices=devices_of(args) if devices is None else devices,
             early_stop=early_stop,
@@ -239,7 +251,7 @@ class RecomputeTracker:
                 "op",
                 f"the recompute ran random op #{k} ({r.op}) but the forward ran only "
                 f"{len(region.forward)} random op(s) in this region",
-                control_flow_cause(),
+                control_flow(region),
             )
             return
         f = region.forward[k]
@@ -267,7 +279,7 @@ class RecomputeTracker:
             "op",
             f"the recompute ended after {k} random op(s); the forward ran {len(region.forward)} "
             f"(the first one missing is {f.op})",
-            control_flow_cause(),
+            control_flow(region),
         )
 
     def _mismatch(
@@ -278,7 +290,7 @@ class RecomputeTracker:
         r: RandomOpEvent | None,
         differs: str,
         detail: str,
-        cause: str,
+        cause: Likely,
     ) -> None:
         region.failed = True
         if f is not None and f.seq in self._reported:
@@ -287,7 +299,7 @@ class RecomputeTracker:
             if len(self._reported) >= _MAX_REPORTED:  # replays happen in the same backward
                 self._reported.clear()
             self._reported.add(r.seq)
-        self._emit(mismatch_finding(region, k, f, r, differs, detail, cause))
+        self._emit(mismatch_finding(region, k, f, r, differs, detail, *cause))
 
 
 class _PhaseBlock:

@@ -37,6 +37,7 @@ MAX_NOTE_SITES = 64  # distinct sites a note keeps (backward's draws; steps drif
 DERIVED_NOTES = (
     "backward_random_ops",
     "comm_hook_random_ops",
+    "drew_from_default",
     "findings_dropped",
     "learnt",
     "not_compared",
@@ -79,6 +80,7 @@ def finalize(
         r.meta["level"] = _levels(steps.schedule.summary(), steps, probe, ranks)
     notes = [n for n in r.notes if n.kind not in DERIVED_NOTES]
     notes += _backward_notes(recorder.backward_sites)
+    notes += _instead_notes(recorder.drew_instead)
     if recorder.hook_draws:
         from ..ranks.explain import sketch_note
 
@@ -178,6 +180,28 @@ def _backward_notes(sites: dict[str, list[Any]]) -> list[Note]:
             stack=stack,
         )
         for site, (count, stack, op) in sites.items()
+    ]
+
+
+def _instead_notes(drew: dict[tuple[str, str, str, str], list[Any]]) -> list[Note]:
+    """DTensor random ops that drew from the default generator instead of the generator= they
+    were passed, by (site, op, passed, drawn from): ``[count, stack]`` each."""
+    return [
+        Note(
+            kind="drew_from_default",
+            message=(
+                f"{count} DTensor random op(s) ({op}) at {site} were passed generator="
+                f"{passed} but drew from {drawn}: on a mesh without DTensor's RNG tracker (a "
+                "CPU mesh) torch drops the generator= of a DTensor random op and draws from the "
+                "default generator (and torch.distributed.tensor._random.manual_seed does "
+                f"nothing there). They were checked as draws from {drawn}, the generator "
+                "that moved; seed and restore that one, or run the op on the local tensor "
+                "(to_local()) with the generator."
+            ),
+            count=count,
+            stack=stack,
+        )
+        for (site, op, passed, drawn), (count, stack) in drew.items()
     ]
 
 

@@ -74,6 +74,7 @@ class Recorder:
         "_window",
         "backward_sites",
         "compiled",
+        "drew_instead",
         "graph_hook",
         "hook_draws",
         "inferred",
@@ -113,6 +114,9 @@ class Recorder:
         # ([count, stack, op]), and those a communication hook drew (hook -> count).
         self.backward_sites: dict[str, list[Any]] = {}
         self.hook_draws: dict[Any, int] = {}
+        # DTensor random ops that drew from the device's default generator instead of the one
+        # passed as generator=, by (site, op, passed, drawn from): [count, stack].
+        self.drew_instead: dict[tuple[str, str, str, str], list[Any]] = {}
 
     def on_special(self, kind: OpKind, func: Any, args: tuple, kwargs: dict) -> Any:
         """The interceptor's callback: a random op or a collective, which it runs."""
@@ -168,14 +172,27 @@ class Recorder:
         if tracked is None:  # a device type rngcheck has no adapter for: run, note nothing
             return func(*args, **kwargs)
         before, oob, mark = self._before_draw(tracked)
+        # On a mesh without DTensor's RNG tracker (a CPU mesh), DTensor drops the generator= of
+        # a random op and draws from the device's default generator: read that one too.
+        instead = drawn = None
+        if not tracked.ident.is_default and _on_dtensor(args):
+            instead = self._generators.default(device)
+            drawn = self._before_draw(instead) if instead is not None else None
         out = func(*args, **kwargs)
         after = tracked.read()
         if after is not None and after == before:
-            # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a random-tagged
-            # kernel under no_grad and an untagged one with grad, so a reentrant recompute would
-            # "miss" it): not a draw of the program. The generator's last state stays as it was,
-            # so a change before this op is still seen at the next one that draws.
-            return out
+            moved = instead.read() if instead is not None else None
+            if instead is None or drawn is None or moved is None or moved == drawn[0]:
+                # Tagged random, but it drew nothing (CPU SDPA with dropout_p=0 picks a
+                # random-tagged kernel under no_grad and an untagged one with grad, so a
+                # reentrant recompute would "miss" it): not a draw of the program. The
+                # generator's last state stays as it was, so a change before this op is still
+                # seen at the next one that draws.
+                return out
+            # It drew from the default generator, not the one passed: a draw from the one that
+            # moved (what the ranks must agree on), and a note that torch ignored the argument.
+            self._drew_instead(op_name(func), tracked.ident, instead.ident)
+            tracked, (before, oob, mark), after = instead, drawn, moved
         call = compiled_call()
         if call is not None:
             # A compiled graph's draw (its first call, before the graph hook was in place): from
@@ -361,6 +378,16 @@ class Recorder:
                 new_seed = seed
         return OutOfBandChange(calls=calls, new_seed=new_seed)
 
+    def _drew_instead(self, op: str, passed: Any, drawn: Any) -> None:
+        """Note a random op that drew from ``drawn`` although ``passed`` was its generator=."""
+        site = Stack.capture()
+        key = (site.describe(), op, passed.label, drawn.label)
+        entry = self.drew_instead.get(key)
+        if entry is not None:
+            entry[0] += 1
+        elif len(self.drew_instead) < MAX_NOTE_SITES:
+            self.drew_instead[key] = [1, site]
+
     def _note_backward(self, event: RandomOpEvent) -> None:
         from ..ranks.scopes import sketch
 
@@ -374,6 +401,11 @@ class Recorder:
             entry[0] += 1
         elif len(self.backward_sites) < MAX_NOTE_SITES:
             self.backward_sites[site] = [1, event.stack, event.op]
+
+
+def _on_dtensor(args: tuple) -> bool:
+    """Whether an op's first argument is a DTensor (its placements over a DeviceMesh)."""
+    return bool(args) and hasattr(args[0], "placements") and hasattr(args[0], "device_mesh")
 
 
 def _first_use_site() -> str:
