@@ -1,6 +1,6 @@
 """The report at its close: the counters, metadata and notes of what the run saw, brought up to
-date each time the report is read (``mode.report``, the saves at exit and on a signal), and the
-report and trace written at exit.
+date each time the report is read (``mode.report``, the saves while the run goes and at exit), and
+the report and trace written at exit.
 
 Reading never adds twice: the counters and metadata are set, not added to, and the notes derived
 here (``DERIVED_NOTES``) are dropped and rebuilt from what the parts and the checks hold now.
