@@ -7,12 +7,14 @@ The processes are real (two gloo ranks started by hand, real signals); every wai
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,22 +59,31 @@ def _start_ranks(reports: Path, **env: str) -> list[subprocess.Popen[str]]:
 
 
 def _wait_for_line(proc: subprocess.Popen[str], line: str) -> list[str]:
-    """The lines ``proc`` printed up to ``line`` (bounded by TIMEOUT: the test fails, not hangs)."""
+    """The lines ``proc`` printed up to ``line``. Bounded by TIMEOUT: a process that prints
+    nothing more is killed then (its output ends), so the test fails instead of hanging."""
     assert proc.stdout is not None
-    deadline = time.monotonic() + TIMEOUT
+    watchdog = threading.Timer(TIMEOUT, _kill, (proc,))
+    watchdog.start()
     seen = []
-    for text in proc.stdout:
-        seen.append(text)
-        if text.strip() == line:
-            return seen
-        assert time.monotonic() < deadline, seen
-    raise AssertionError(f"ended before printing {line!r}: {seen}")
+    try:
+        for text in proc.stdout:
+            seen.append(text)
+            if text.strip() == line:
+                return seen
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"ended (or killed after {TIMEOUT} s) before printing {line!r}: {seen}")
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _end(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
+            _kill(p)
         p.communicate(timeout=TIMEOUT)
 
 
