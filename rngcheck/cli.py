@@ -12,7 +12,8 @@ code   meaning
 0      ``show``: no findings. ``diff``: the two streams are the same.
 1      ``show``: at least one finding. ``diff``: the streams diverge (the first op is shown).
 2      usage error, or a file that cannot be read or is not an rngcheck report or trace.
-3      ``show``: no findings, but a run's reports are incomplete (a rank wrote none).
+3      ``show``: no findings, but a run's reports are incomplete (a rank wrote none, or its
+       process was killed: its report was last saved while it ran).
 =====  ===================================================================================
 """
 
@@ -147,15 +148,31 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             if run.world_size > 1
             else "1 report"
         )
+        if run.unfinished or run.crashed:
+            status += ", but the run did not complete"
         _print(console, f"rngcheck: {what}, {ops} random op(s) checked, {status}")
-        ended: dict[str, list[int]] = {}
+        ended: dict[tuple[str, bool], list[int]] = {}
         for rank, r in sorted(run.reports.items()):
             how = str(r.meta.get("ended_by", ""))
-            if how and how not in ("exit", "destroy_process_group()"):
-                ended.setdefault(how, []).append(rank)
-        for how, ranks_ in ended.items():
-            who = f"rank(s) {format_ranks(ranks_)}" if run.world_size > 1 else "the run"
-            _print(console, f"rngcheck: {who} ended by {how}")
+            if how and (not r.completed or how not in ("exit", "destroy_process_group()")):
+                ended.setdefault((how, r.completed), []).append(rank)
+        one = run.world_size == 1
+        for (how, completed), ranks_ in ended.items():
+            who = "the run" if one else f"rank(s) {format_ranks(ranks_)}"
+            before = "" if completed else " before completing"
+            _print(console, f"rngcheck: {who} ended by {how}{before}")
+        if run.unfinished:
+            saved = {str(run.reports[r].meta.get("saved_at", "")) for r in run.unfinished}
+            at = f" at {saved.pop()}" if len(saved) == 1 and "" not in saved else ""
+            who = "the run" if one else f"rank(s) {format_ranks(run.unfinished)}"
+            _print(
+                console,
+                f"rngcheck: {who} did not complete: the process ended without finishing its "
+                "report (killed by a signal such as SIGTERM or SIGKILL, os._exit, a crash in "
+                f"native code), or still runs; it was last saved{at}, as the run went: what was "
+                "checked after that is unknown",
+                style="yellow",
+            )
         if run.missing:
             _print(
                 console,
@@ -165,7 +182,7 @@ def _show(paths: Sequence[str], console: Console, context: bool) -> int:
             )
         if run.findings:
             code = EXIT_FOUND
-        elif run.missing and code == EXIT_OK:
+        elif (run.missing or run.unfinished) and code == EXIT_OK:
             code = EXIT_INCOMPLETE
     return code
 

@@ -28,7 +28,7 @@ from .core.generators import GeneratorRegistry
 from .core.handle import CheckerHandle
 from .core.rank_check import RankCheck
 from .core.seeding import SeedCallLog
-from .output.report import Report
+from .output.report import Report, ended_by
 from .output.sink import FindingSink
 from .output.trace import TraceFeed
 from .recompute.compiled import CompiledRecomputes
@@ -36,7 +36,8 @@ from .recompute.held import HeldFindings
 from .recompute.inferred import InferredRecomputes
 from .recompute.probe import StateProbe
 from .recompute.tracker import RecomputeTracker
-from .session.closing import finalize, write_outputs
+from .session.closing import finalize, save_report, write_outputs
+from .session.keeper import ReportKeeper
 from .session.recorder import Recorder
 from .session.steps import StepControl
 
@@ -81,7 +82,10 @@ class RNGConsistencyMode:
             None (the default): the process group's own timeout, the one torch.distributed's
             collectives give up at, so a rank that is slow but within it is never missing.
         trace: a path to write the random-op trace to at exit (for ``rngcheck diff``).
-        report_path: a path to write this rank's JSON report to at exit.
+        report_path: a path to write this rank's JSON report to. It is kept current while the
+            run goes (at each new finding, and every few seconds at exchanges and optimizer
+            steps), so a process killed by a signal leaves its findings on disk; ``completed``
+            in it is True once the checked block ended without an exception.
         console: a ``rich.console.Console`` to render findings on (default: stderr).
         level: ``"op"`` (the default: every random op is intercepted and checked) or ``"step"``
             (cheap enough to leave on for a long job: op by op on sampled steps only, the first
@@ -182,6 +186,14 @@ class RNGConsistencyMode:
         self._sink = FindingSink(
             self._report, on_finding, console, ignore=self.config.ignore, step=self._steps.step_of
         )
+        # The report on disk kept current while the run goes (no signal handler: keeper.py).
+        self._keeper = ReportKeeper(
+            self._save_now,
+            lambda: self.config.report_path,
+            lambda: (self._window.total, self._sink.occurrences, self._report.findings_dropped),
+        )
+        self._sink.recorded = self._keeper.finding
+        self._keep_hook: Any = None
         self._interceptor: Intercepting | None = None
         self.recompute_tracker: RecomputeTracker | None = None
         self._inferred: InferredRecomputes | None = None
@@ -244,6 +256,8 @@ class RNGConsistencyMode:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             self._step_hook = register_optimizer_step_post_hook(self._steps.on_step)
+            self._report.completed = False  # until the block ends without an exception
+            self._keep_hook = register_optimizer_step_post_hook(self._keeper.progress)  # (after)
             if self.config.check_recompute:
                 held = self._held
                 emit = held.op_by_op if held is not None else self._sink.emit
@@ -274,6 +288,8 @@ class RNGConsistencyMode:
             self._wire()
             self._interceptor.__enter__()
             self._steps.start()
+            self._keeper.start()
+            self._keeper.save()  # on disk from the start: a killed process leaves one
         except BaseException:
             self._teardown()
             raise
@@ -295,10 +311,15 @@ class RNGConsistencyMode:
             if self._held is not None:  # (after an exception: recorded, not raised)
                 self._held.close(raising=exc_type is None)
         finally:
+            # (a finding the last exchange raised still ran the checking to its end)
+            self._report.completed = exc_type is None
+            if exc is not None:  # (RNGCHECK=1 has named it already, in its own words)
+                self._report.meta.setdefault("ended_by", ended_by(exc))
             self._teardown()
 
     def _teardown(self) -> None:
         global _ACTIVE
+        self._keeper.stop()
         try:
             if self._interceptor is not None:
                 self._interceptor.__exit__(None, None, None)
@@ -312,9 +333,10 @@ class RNGConsistencyMode:
                 self._ranks.close(self._ended_by)
             if self.recompute_tracker is not None:
                 self.recompute_tracker.uninstall()
-            if self._step_hook is not None:
-                self._step_hook.remove()
-                self._step_hook = None
+            for hook in (self._step_hook, self._keep_hook):
+                if hook is not None:
+                    hook.remove()
+            self._step_hook = self._keep_hook = None
             if self._xla is not None:
                 self._xla.uninstall()
                 self._xla = None
@@ -367,6 +389,7 @@ class RNGConsistencyMode:
             meta=self._report.meta,
             identify=identify,
             coverage=self._coverage_gap,
+            progress=self._keeper.progress,
         )
 
     def _start_ranks(self) -> RankCheck | None:
@@ -448,6 +471,16 @@ class RNGConsistencyMode:
             ranks=self._ranks,
             dropped=self._sink.dropped,
         )
+        if self._keeper.saves:  # what keeping the report on disk cost (session/keeper.py)
+            self._report.meta["report_saves"] = {
+                "while_running": self._keeper.saves,
+                "seconds": round(self._keeper.seconds, 4),
+            }
+
+    def _save_now(self, path: str) -> None:
+        """The keeper's save: the report brought up to date and written while the run goes."""
+        self._finalize_report()
+        save_report(self._report, self._window, path, final=False)
 
     def _move_outputs(self, report_path: str | None, trace: str | None) -> None:
         """Write this rank's report and trace elsewhere (RNGCHECK=1 learns a process's rank at

@@ -35,7 +35,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DistRun", "assert_compared", "compared", "free_port", "run_scenarios", "scenario_mode"]
+__all__ = [
+    "DistRun",
+    "assert_compared",
+    "clean_env",
+    "compared",
+    "free_port",
+    "run_scenarios",
+    "scenario_mode",
+]
 
 _REPO = Path(__file__).resolve().parent.parent
 _COLLECTIVE_TIMEOUT_S = 60  # the training group's own timeout inside workers
@@ -93,6 +101,17 @@ def assert_compared(
     assert set(exempted) == set(not_compared), f"rank {rank}: not compared {exempted}"
     for reason, least in not_compared.items():
         assert exempted[reason] >= least, f"rank {rank}: {reason} < {least}: {exempted}"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child process of a test, without any ``RNGCHECK*`` or
+    rank variable of its own (one thread, gloo on loopback, unbuffered output), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RNGCHECK", "_RNGCHECK"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
 
 
 def free_port() -> int:

@@ -23,7 +23,8 @@ class CheckerHandle:
     counter ``mark`` that reached ``device``'s generators. ``meta`` is the report's metadata, where
     a check keeps its own keys; ``identify(rank, world_size)`` names the process in the report;
     ``coverage(what)`` says, loudly (a ``RNGCheckCoverageWarning`` and a report note), that
-    something the check was asked to check it cannot.
+    something the check was asked to check it cannot; ``progress()``, after each exchange, lets
+    the mode keep the report on disk current (it saves every few seconds at most).
     """
 
     config: Config
@@ -32,3 +33,4 @@ class CheckerHandle:
     meta: dict[str, Any] = field(default_factory=dict)
     identify: Callable[[int, int], None] = lambda _rank, _world: None
     coverage: Callable[[str], None] = lambda _what: None
+    progress: Callable[[], None] = lambda: None

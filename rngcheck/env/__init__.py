@@ -10,10 +10,11 @@ enters an :class:`~rngcheck.RNGConsistencyMode` and arranges for the rest:
   calls ``destroy_process_group``, which is where the checking ends and the final exchange runs);
 - exchanges at optimizer steps with ``sync="step"`` (the rank checker's own global step hook; the
   activation binds late at the first step when the group came from an unpatched copy of
-  ``init_process_group``), and a report re-saved after each step that brought a new finding;
-- the report and trace written at exit, also after an uncaught exception and on SIGTERM (how
-  torchrun stops the other ranks when one fails), so a rank killed by the finding leaves its
-  report on disk;
+  ``init_process_group``);
+- the report kept on disk as the run goes (from the start, at each new finding, every few seconds
+  at exchanges and steps: the mode's ``session/keeper.py``), and written at exit and after an
+  uncaught exception; no signal handler, so a SIGTERM (how torchrun stops the other ranks when
+  one fails) ends a rank at once, its report on disk with every finding it made;
 - one short line on stderr at exit (rank 0 only) and, with ``RNGCHECK_ON_FINDING=record``, the
   findings rendered there once (by the lowest rank involved).
 

@@ -1,8 +1,15 @@
 """The environment-started mode and everything around it, one per process: binding to
 torch.distributed when the script initialises it (and ending the checking before it destroys it),
-the report re-saved after each step with a new finding, the report and trace written at exit,
-after an uncaught exception and on SIGTERM, the start-up and closing lines, and forked children
-(DataLoader workers) left unchecked."""
+the report and trace written at exit and after an uncaught exception, the start-up and closing
+lines, and forked children (DataLoader workers) left unchecked.
+
+No signal handler: a SIGTERM (how torchrun stops the other ranks when one fails) ends a checked
+process at once, as it ends an unchecked one. A Python handler would run only once the main
+thread is back in the interpreter (a rank waiting in a collective for a slow peer would outlive
+its SIGTERM by as long as the wait lasts), and the ``SystemExit`` it would raise is one a
+script's ``except BaseException`` can swallow. The mode keeps the report on disk current while
+the run goes instead (``session/keeper.py``), so a killed rank's report, ``completed`` False,
+holds every finding it made."""
 
 from __future__ import annotations
 
@@ -13,7 +20,6 @@ import functools
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import threading
@@ -61,11 +67,18 @@ class Activation:
         self.forked = False  # a forked child of the checked process: switched off
         self.exited = False
         self.finished = False
-        self.signal: int | None = None
         self.stopped_by: BaseException | None = None  # the finding's error that ended the run
-        self._saved_findings = 0
+        # Whether this process's report path is its own before it binds: the launcher gave its
+        # rank (torchrun's RANK), or it is no task of a launcher (else it is rank 0's path, which
+        # an srun task or a Lightning child would share until the process group gives its rank).
+        self._rank_given = "RANK" in os.environ or (
+            task_index(os.environ) is None and "LOCAL_RANK" not in os.environ
+        )
+        # The mode keeps the report on disk current while the run goes, where its path is this
+        # process's own to write (from the mode's start: set before it).
+        self.mode._keeper.allowed = self._owns_report_path
         self._restore: list[Callable[[], None]] = []
-        self._step_hook: Any = None  # re-registered at bind, so it is never in _restore
+        self._step_hook: Any = None  # (removed at the end, never in _restore)
         self._previous_excepthook: Callable[..., Any] = sys.excepthook
         self._lock = threading.RLock()
 
@@ -84,7 +97,6 @@ class Activation:
             atexit.register(self.finish)
             self._finish_as_child()
             os.register_at_fork(after_in_child=self._in_forked_child)
-            self._install_signal_handler()
             # Kept after the checking ends: the last exchange (at destroy_process_group) can raise
             # a finding's error that reaches the top only later.
             self._previous_excepthook = sys.excepthook
@@ -148,6 +160,8 @@ class Activation:
         mesh = sys.modules.get("torch.distributed.device_mesh")
         if mesh is not None:  # it imported init_process_group by name; patch its copy as well
             modules.append(mesh)
+        from ..output.report import ended_by
+
         original_init = distributed_c10d.init_process_group
         original_destroy = distributed_c10d.destroy_process_group
 
@@ -160,7 +174,14 @@ class Activation:
             # The last exchange needs the group: end the checking before the group goes away.
             if group is None or group is distributed_c10d.GroupMember.WORLD:
                 try:
-                    self.stop("destroy_process_group()")  # may raise the last finding's error
+                    failed = _in_flight()
+                    if failed is None:
+                        self.stop("destroy_process_group()")  # may raise the last finding's error
+                    else:
+                        # Destroyed as an exception unwinds (a script's `finally:`): the run ends
+                        # by it, with no final exchange against ranks still mid-step (they report
+                        # this one missing, with its error, not a divergence).
+                        self._exit(type(failed), failed, failed.__traceback__, ended_by(failed))
                 finally:
                     original_destroy(group)  # freed either way
                 return None
@@ -201,17 +222,14 @@ class Activation:
         self.mode.bind_distributed()
         self.bound = True
         self._agree_on_the_run()
+        # Saved now as the rank it is, in the run it belongs to (an srun task or a Lightning
+        # child saves nothing before: its path was rank 0's).
+        self.mode._keeper.save(force=True)
         # Its place in the job is known now (a launcher that starts the other ranks from this
         # one, like Lightning's, sets it after start-up): a child started from here on at the
         # same place is this rank's helper, not another rank.
         os.environ[OWNER_VAR] = owner(os.environ, report.rank)
         self._announce()
-        # Run after the rank checker's own step hook (added by bind_distributed), so that a step's
-        # new findings are saved at that step.
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self._step_hook.remove()
-        self._step_hook = register_optimizer_step_post_hook(self._after_step)
 
     def _agree_on_the_run(self) -> None:
         """Every rank names its run as rank 0 does: under a launcher whose job rngcheck cannot
@@ -246,17 +264,12 @@ class Activation:
         self.steps += 1
         if not self.bound:  # a group made through a copy of init_process_group we did not patch
             self.bind()  # (the rank checker then exchanges at this and every later step itself)
-        self._save_if_new_findings()
 
-    def _save_if_new_findings(self) -> None:
-        path = self.mode.config.report_path
-        count = len(self.mode.report.findings)
-        if path and count != self._saved_findings:
-            self._saved_findings = count
-            try:
-                self.mode.report.save(path)
-            except OSError as e:
-                log.warning("rngcheck could not save its report to %s: %s", path, e)
+    def _owns_report_path(self) -> bool:
+        """Whether the report may be saved at its path while the run goes: once bound (the rank
+        is the process group's), or before where the launcher gave the rank; never in a process
+        that started the ranks itself (their files are theirs)."""
+        return self.bound or (self._rank_given and not self.launched_only)
 
     def _in_forked_child(self) -> None:
         """A forked child (a DataLoader worker) inherits the checker mid-run: switch it off there.
@@ -270,29 +283,6 @@ class Activation:
         self.exited = True
         self.forked = True
         self.mode.leave_forked_child()
-
-    def _install_signal_handler(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            return  # the program handles SIGTERM itself; atexit still writes the report
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if self.exited:  # already finishing (or finished): die the default way
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
-            self.signal = signum
-            path = self.mode.config.report_path
-            if path and not self.launched_only:  # (a launcher's rank0.json is rank 0's)
-                self.mode.report.meta["ended_by"] = signal.Signals(signum).name
-                with contextlib.suppress(OSError):
-                    self.mode.report.save(path)
-            # Unwind like an exit, so finally blocks and atexit (the trace) still run.
-            raise SystemExit(128 + signum)
-
-        # Not undone at exit: it must keep saving until the process is gone (see above).
-        signal.signal(signal.SIGTERM, on_sigterm)
 
     # -- end ---------------------------------------------------------------------------------
 
@@ -352,11 +342,25 @@ class Activation:
         """The ranks' files (``rank0.json``, ...) are theirs: this process keeps a report only
         when it checked something itself, under ``launcher`` and as a run of its own."""
         report = self.mode.report
+        self._drop_own_save()
         if _checked_nothing(report):
             self.mode._move_outputs(None, None)
             return
         report.meta["run_id"] = f"{report.meta['run_id']}-launcher"
         self.mode._move_outputs(*self.settings.launcher_paths())
+
+    def _drop_own_save(self) -> None:
+        """The report this process saved at rank 0's path while it ran, before a rank it started
+        began checking (then it stopped: ``_owns_report_path``): removed, unless rank 0 has saved
+        its own there since."""
+        from ..output.report import Report
+
+        path = self.mode.config.report_path
+        if not path or not self.mode._keeper.saves:
+            return
+        with contextlib.suppress(Exception):  # (gone, or rank 0's own being replaced: leave it)
+            if Report.load(path).meta.get("pid") == os.getpid():
+                os.unlink(path)
 
     def _finish_as_child(self) -> None:
         """A rank that multiprocessing started (spawned.py) may leave by ``os._exit`` (a
@@ -371,29 +375,18 @@ class Activation:
     def finish(self) -> None:
         """At interpreter exit: end the mode (unless the script already did), then one line."""
         from ..core.findings import RNGCheckError
+        from ..output.report import ended_by
 
         if self.finished:  # (a multiprocessing child: from its exit function, then atexit)
             return
         self.finished = True
-        exc = getattr(sys, "last_value", None)
-        if exc is None:
-            # A rank that multiprocessing started finishes in its exit function, as the error
-            # its function raised (SystemExit(1) under torch.multiprocessing) is on its way.
-            exc = sys.exc_info()[1]
-            if isinstance(exc, SystemExit) and exc.code in (None, 0):
-                exc = None
-            elif isinstance(exc, SystemExit) and isinstance(exc.__context__, Exception):
-                exc = exc.__context__  # the function's own error, which torch's wrapper caught
+        # (a rank that multiprocessing started finishes in its exit function, as the error its
+        # function raised is on its way)
+        exc = getattr(sys, "last_value", None) or _in_flight()
         failed = False
         try:
             if exc is not None:
-                reason = f"{type(exc).__name__}: {exc}"[:300]
-                if isinstance(exc, RNGCheckError):  # its message is the finding, shown anyway
-                    reason = f"{type(exc).__name__} at {exc.finding.site}"
-                self._exit(type(exc), exc, exc.__traceback__, reason)
-            elif self.signal is not None:
-                stop = SystemExit(128 + self.signal)
-                self._exit(SystemExit, stop, None, signal.Signals(self.signal).name)
+                self._exit(type(exc), exc, exc.__traceback__, ended_by(exc))
             else:
                 self._exit(None, None, None, "exit")
         except RNGCheckError:
@@ -429,6 +422,19 @@ class Activation:
             where += f"; trace: {self.settings.trace_template}"
         sys.stderr.write(f"{summary_line(report)}{launcher}{where}\n")
         sys.stderr.flush()
+
+
+def _in_flight() -> BaseException | None:
+    """The exception on its way up now (from a ``finally:`` or an ``except:`` block, or
+    multiprocessing's exit function as a rank's function failed), or None; a ``SystemExit`` of
+    status 0 is a normal end, and one that torch.multiprocessing raised for its function's error
+    (``SystemExit(1)``) is that error."""
+    exc = sys.exc_info()[1]
+    if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        return None
+    if isinstance(exc, SystemExit) and isinstance(exc.__context__, Exception):
+        return exc.__context__  # the function's own error, which torch's wrapper caught
+    return exc
 
 
 def _checked_nothing(report: Any) -> bool:

@@ -195,8 +195,9 @@ VARIABLES: dict[str, Variable] = {
             name="RNGCHECK_REPORT",
             values="a directory, or a path with {rank}",
             default="unset: no file",
-            help="Where each rank writes its JSON report (DIR/rank<N>.json): at exit, after a "
-            "crash, on SIGTERM, and after each step with a new finding. Read with `rngcheck show`.",
+            help="Where each rank keeps its JSON report (DIR/rank<N>.json): saved at each new "
+            "finding and every few seconds as the run goes (a rank killed by a signal leaves it), "
+            "and at exit or after a crash. Read with `rngcheck show`.",
             parse=_path,
         ),
         Variable(

@@ -24,6 +24,7 @@ from .report import Report
 __all__ = [
     "format_finding",
     "format_report",
+    "incomplete_text",
     "print_finding",
     "print_repeats",
     "print_report",
@@ -240,7 +241,8 @@ def print_finding(finding: Finding, console: Console | None = None, world_size: 
 
 def summary_line(report: Report) -> str:
     """One line: what was checked and what was found, with true totals (repeats, findings not
-    kept, findings ignored)."""
+    kept, findings ignored); for a run that did not complete (a crash, or a report saved while it
+    ran), that first, and what was checked until then, never as if it had run to its end."""
     where = f" on rank {report.rank} of {report.world_size}" if report.world_size > 1 else ""
     if report.ok:
         status = "no findings"
@@ -253,7 +255,24 @@ def summary_line(report: Report) -> str:
     ignored = sum(report.ignored.values())
     if ignored:
         status += f", ignored: {ignored}"
+    if not report.completed:
+        return (
+            f"rngcheck: {incomplete_text(report)}: {report.random_ops} random op(s) checked"
+            f"{where} until then, {status}"
+        )
     return f"rngcheck: {report.random_ops} random op(s) checked{where}, {status}"
+
+
+def incomplete_text(report: Report) -> str:
+    """How a run that did not complete ended, as far as its report says ("" when it completed)."""
+    if report.completed:
+        return ""
+    how = str(report.meta.get("ended_by", ""))
+    if how:
+        return f"the run did not complete (it ended by {how})"
+    saved = report.meta.get("saved_at")
+    at = f" at {saved}" if saved else ""
+    return f"the run had not completed when this report was saved{at}"
 
 
 def format_report(report: Report) -> str:

@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.findings import Finding, Note, error_for
+from ..core.findings import Finding, Note, RNGCheckError, error_for
 
 __all__ = [
     "MAX_REPORT_BYTES",
@@ -22,6 +22,7 @@ __all__ = [
     "Report",
     "ReportTooLarge",
     "broken_report",
+    "ended_by",
     "is_report_data",
     "read_report_text",
     "starts_as_report",
@@ -105,6 +106,15 @@ def broken_report(text: str, error: json.JSONDecodeError) -> str:
     return f"an rngcheck report {what}: its findings are unknown"
 
 
+def ended_by(exc: BaseException) -> str:
+    """How an exception that ended a run reads in its report (``meta["ended_by"]``): its type and
+    first line, or, for a finding's error (its message is the finding, shown anyway), the
+    finding's site."""
+    if isinstance(exc, RNGCheckError):
+        return f"{type(exc).__name__} at {exc.finding.site}"
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
 @dataclass(slots=True, kw_only=True)
 class Report:
     """What one checker run found. ``ok`` is True when there are no findings."""
@@ -119,6 +129,11 @@ class Report:
     meta: dict[str, Any] = field(default_factory=dict)
     findings_dropped: int = 0  # distinct findings past the kept ones: counted, not kept
     ignored: dict[str, int] = field(default_factory=dict)  # ignore rule -> findings it left out
+    # Whether the checking ran to its end (the checked block ended without an exception). A mode
+    # sets it False as it starts: a report saved while the run goes, or at a crash, says False,
+    # and one that a killed process last saved stays so. A report without it (written before
+    # the field, or built by hand) reads as complete.
+    completed: bool = True
 
     @property
     def ok(self) -> bool:
@@ -152,6 +167,7 @@ class Report:
             "meta": dict(self.meta),
             "findings_dropped": self.findings_dropped,
             "ignored": dict(self.ignored),
+            "completed": self.completed,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -186,6 +202,7 @@ class Report:
             meta=dict(data.get("meta", {})),
             findings_dropped=int(data.get("findings_dropped", 0)),
             ignored={str(k): int(v) for k, v in data.get("ignored", {}).items()},
+            completed=bool(data.get("completed", True)),
         )
 
     @classmethod

@@ -116,6 +116,19 @@ class Run:
     def missing(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.reports]
 
+    @property
+    def unfinished(self) -> list[int]:
+        """Ranks whose report was last saved while the run went (``completed`` false, and no
+        ``ended_by``): the process was killed, or still runs."""
+        return [
+            r for r, rep in sorted(self.reports.items()) if not rep.completed and not _ended(rep)
+        ]
+
+    @property
+    def crashed(self) -> list[int]:
+        """Ranks whose checking ended by an exception (``completed`` false, ``ended_by`` says)."""
+        return [r for r, rep in sorted(self.reports.items()) if not rep.completed and _ended(rep)]
+
     def add(self, report: Any, path: str) -> None:
         self.reports[report.rank] = report
         self.files[report.rank] = path
@@ -129,6 +142,10 @@ class Run:
         for n in report.notes:
             entry_n = self.notes.setdefault((n.kind, n.message), (n, set()))
             entry_n[1].add(report.rank)
+
+
+def _ended(report: Any) -> bool:
+    return bool(report.meta.get("ended_by"))
 
 
 def load_runs(files: Sequence[str], skip_foreign: frozenset[str] = frozenset()) -> list[Run]:

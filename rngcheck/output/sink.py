@@ -48,6 +48,9 @@ class FindingSink:
         self.occurrences = 0  # every finding emitted and not ignored, repeats included
         # Who draws a finding seen by several ranks: the rank checker's rule once it runs.
         self.renders: Callable[[Finding], bool] = lambda _finding: True
+        # Told after each finding is recorded, before it is drawn or raised (True: a new distinct
+        # one): the mode keeps the report on disk current (session/keeper.py).
+        self.recorded: Callable[[bool], None] = lambda _new: None
         self._kept: dict[tuple[Any, ...], int] = {}  # key -> index in report.findings
         self._dropped: dict[tuple[Any, ...], int] = {}  # key -> occurrences, not kept
         self._warned: set[tuple[str, str]] = set()
@@ -73,6 +76,7 @@ class FindingSink:
         step = finding.first_step or self.step(-1 if finding.ranks else finding.seq)
         more, since = earlier
         key = finding.key
+        repeat: bool | None
         with self._lock:
             self.occurrences += 1 + more
             index = self._kept.get(key)
@@ -92,7 +96,7 @@ class FindingSink:
                         self._dropped[key] = 0
                 if key in self._dropped:
                     self._dropped[key] += 1
-                return
+                repeat = None  # counted, not kept
             else:
                 self._kept[key] = len(self.report.findings)
                 record = replace(
@@ -102,7 +106,8 @@ class FindingSink:
                 if more or since:  # drawn and raised with what was found before it
                     finding = record
                 repeat = False
-        if self.on_finding == "record":
+        self.recorded(repeat is False)  # (saved now if new, before it is raised)
+        if repeat is None or self.on_finding == "record":
             return
         if not repeat and self.renders(finding):
             from .render import print_finding

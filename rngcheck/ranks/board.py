@@ -32,6 +32,9 @@ class Board:
         except Exception:  # noqa: BLE001 - no store: findings just say less
             log.debug("rngcheck has no c10d store to leave notes on", exc_info=True)
             self._store = None
+        # Why the store could not be read, when it could not ("": it could, so a rank without a
+        # note left none): its host may have ended with the rank a finding names.
+        self.unreadable = "" if self._store is not None else "no c10d store"
 
     def arrivals(self, round_: int, rank: int, domain: tuple[int, ...], wait: float) -> tuple:
         """The ranks that reached exchange ``round_`` (each posts a key when its wait fails)."""
@@ -47,8 +50,9 @@ class Board:
                 if len(here) + len(gone) == len(domain) or time.monotonic() > deadline:
                     return here
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store's host may be gone too
+        except Exception as e:  # noqa: BLE001 - the store's host may be gone too
             log.debug("rngcheck could not read arrivals from the store", exc_info=True)
+            self.unreadable = _first_line(e)
             return (rank,)
 
     def post_left(self, rank: int, reason: str) -> None:
@@ -63,10 +67,16 @@ class Board:
             return out
         for r in ranks:
             key = f"{self._prefix}left/{r}"
-            with contextlib.suppress(Exception):
+            try:
                 if self._store.check([key]):
                     out[r] = self._store.get(key).decode(errors="replace")
+            except Exception as e:  # noqa: BLE001 - the store's host may be gone too
+                self.unreadable = _first_line(e)
         return out
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
 
 
 _ENTRIES = [0]  # the modes this process started across ranks: the same count on every rank

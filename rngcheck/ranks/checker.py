@@ -148,6 +148,7 @@ class RankChecker:
             lock=self._lock,
             emit=handle.emit,
             publish=self.publish,
+            progress=handle.progress,
         )
         self._joins = rounds.joins = Joins(
             rank,
@@ -379,6 +380,7 @@ class RankChecker:
                 rounds.busy = False  # (the counters reach the report when it is read: publish)
         for finding in found:
             self._handle.emit(finding)
+        self._handle.progress()
         return verdict
 
     # -- what the hooks tell -------------------------------------------------------------------

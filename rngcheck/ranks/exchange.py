@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,11 +16,22 @@ import torch.distributed as dist
 
 from .protocol import POLICY_CODE, ExchangeStats, Point, Row, fold
 
-__all__ = ["PeerLost", "SideGroup"]
+__all__ = ["PeerLost", "SideGroup", "connection_closed"]
+
+
+# How gloo says that a peer's connection closed (its process ended: a crash, a kill, os._exit),
+# as against a wait that ran out of time ("Operation timed out!", "Timed out waiting ...").
+_CLOSED = re.compile(r"connection (closed|reset) by peer|broken pipe|ECONNRESET|EPIPE", re.I)
 
 
 class PeerLost(Exception):
     """A side-group collective failed: a rank timed out or went away (gloo's RuntimeError)."""
+
+
+def connection_closed(error: BaseException) -> bool:
+    """Whether gloo's ``error`` says that a peer's connection closed (its process ended), not
+    that the wait timed out."""
+    return _CLOSED.search(str(error)) is not None
 
 
 def _max_options() -> Any:

@@ -601,9 +601,14 @@ def missing_finding(
     last: RandomOpEvent | None,
     stack: Stack,
     error: BaseException,
+    closed: bool = False,
+    waited: float | None = None,
+    store: str = "",
 ) -> Finding:
-    """A rank did not reach exchange ``number`` within ``timeout``: which ranks arrived (the
-    store's notes), why the others left where they said so, and where this rank waited."""
+    """A rank did not reach exchange ``number``: which ranks arrived (the store's notes), why the
+    others left where they said so, and where this rank waited. ``closed``: a peer's connection
+    closed (its process ended) after ``waited`` seconds, rather than the ``timeout`` running out;
+    ``store``: why the store could not be read, if it could not."""
     missing = tuple(r for r in domain if r not in arrived)
     late = not missing  # everyone else also gave up here: this rank is the one that came late
     if late:
@@ -619,13 +624,37 @@ def missing_finding(
         cause = "; ".join(
             f"rank {r} left the checked block early ({why})" for r, why in sorted(gone.items())
         )
+    silent = tuple(r for r in missing if r not in gone)
+    if closed and silent:  # its process ended, and said nothing of why where it could have
+        cause = f"{cause}; " if gone else ""
+        if store:
+            cause += (
+                f"the c10d store, where rank(s) {format_ranks(silent)} would have said why they "
+                f"left, could not be read ({store}): its host, rank 0 or the launcher, may "
+                "have ended too"
+            )
+        else:
+            cause += (
+                f"rank(s) {format_ranks(silent)} left no note on the c10d store, where a rank "
+                "that ends by a Python exception leaves one: its process was killed (a signal "
+                "such as SIGTERM or SIGKILL from a launcher or a scheduler, the kernel's OOM "
+                "killer), left by os._exit, or crashed in native code; its own log says which"
+            )
     cause += (
         ". rngcheck stopped exchanging so the program does not hang on it "
         f"({type(error).__name__}: {str(error).splitlines()[0][:160]})"
     )
+    if closed:  # not a timeout: say what happened, and when
+        after = f" {waited:.1f} s into the wait" if waited is not None and waited >= 0.1 else ""
+        reached = (
+            f"did not reach RNG exchange #{number}: the connection to a peer closed{after}, its "
+            f"process ended (the timeout is {timeout:g} s)"
+        )
+    else:
+        reached = f"did not reach RNG exchange #{number} within {timeout:g} s"
     message = (
-        f"rank(s) {format_ranks(missing)} did not reach RNG exchange #{number} within "
-        f"{timeout:g} s; rank(s) {format_ranks(arrived)} waited at {here}"
+        f"rank(s) {format_ranks(missing)} {reached}; rank(s) {format_ranks(arrived)} waited at "
+        f"{here}"
     )
     if sent_at != here:
         message += f" (exchange #{number} was sent at {sent_at})"

@@ -7,6 +7,7 @@ finding found through the store (``board.py``)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from ..core.stacks import Stack
 from .board import Board
 from .detail import Detail
 from .divergence import Divergences
-from .exchange import PeerLost, SideGroup
+from .exchange import PeerLost, SideGroup, connection_closed
 from .findings import missing_finding, point_text, replica_finding
 from .program import Program
 from .protocol import PIPELINED, ExchangeStats, Point, disagreement, fast_vector, joined
@@ -76,6 +77,7 @@ class Rounds:
         lock: Any,
         emit: Callable[[Finding], None],
         publish: Callable[[], None],
+        progress: Callable[[], None],
     ) -> None:
         self._side = side
         self._board = Board(side.name)
@@ -96,6 +98,7 @@ class Rounds:
         self._lock = lock
         self._emit = emit
         self._publish = publish
+        self._progress = progress  # after each exchange: the mode keeps its report on disk current
         self.joins: Any = None  # torch's Join (join.Joins), set by the rank checker
         self.number = 0  # one numbering for every exchange (the store's arrival notes)
         self.inflight: Round | None = None  # posted, not yet waited for
@@ -131,6 +134,7 @@ class Rounds:
                 self._publish()
         if finding is not None:
             self._emit(finding)
+        self._progress()
 
     def _exchange_now(self, point: Point, where: str, post: bool, joined: bool) -> Finding | None:
         # P2: the round posted at the previous exchange point first, before this one posts its
@@ -195,6 +199,7 @@ class Rounds:
         sent, self.inflight = self.inflight, None
         if sent is None:
             return None
+        waiting = time.monotonic()
         try:
             self._side.wait(sent.work)
             if joined(sent.vec):  # P7: a rank ran out of inputs in Join: nothing to compare
@@ -237,7 +242,8 @@ class Rounds:
             return finding
         except PeerLost as e:  # gloo: the group timeout, or a peer that went away
             self.stopped = True
-            return self.missing(sent, point, where, e.__cause__ or e)
+            waited = time.monotonic() - waiting
+            return self.missing(sent, point, where, e.__cause__ or e, waited)
 
     def _count(self, taken: Taken, judged: bool) -> None:
         """What a round that settled without a finding compared (after what its slow path, if
@@ -278,9 +284,18 @@ class Rounds:
             differs.members, differs.name, differs.owner, differs.digests, details
         )
 
-    def missing(self, sent: Round, point: Point, where: str, error: BaseException) -> Finding:
-        """A rank did not arrive at round ``sent`` in time: find out which through the store, and
-        say so. ``point`` and ``where``: where this rank waited for it."""
+    def missing(
+        self,
+        sent: Round,
+        point: Point,
+        where: str,
+        error: BaseException,
+        waited: float | None = None,
+    ) -> Finding:
+        """A rank did not arrive at round ``sent``: its connection closed (its process ended), or
+        it did not come in time. Find out which rank through the store, and what it said there,
+        and say so. ``point`` and ``where``: where this rank waited for it; ``waited``: for how
+        long (None: not known)."""
         stack = Stack.capture()
         here = point_text(point, where, stack)
         # A pipelined round was sent at an earlier point and waited for here.
@@ -300,4 +315,7 @@ class Rounds:
             last=events[-1] if events else None,
             stack=stack,
             error=error,
+            closed=connection_closed(error),
+            waited=waited,
+            store=self._board.unreadable,
         )

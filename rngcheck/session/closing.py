@@ -1,6 +1,6 @@
 """The report at its close: the counters, metadata and notes of what the run saw, brought up to
-date each time the report is read (``mode.report``, the saves at exit and on a signal), and the
-report and trace written at exit.
+date each time the report is read (``mode.report``, the saves while the run goes and at exit), and
+the report and trace written at exit.
 
 Reading never adds twice: the counters and metadata are set, not added to, and the notes derived
 here (``DERIVED_NOTES``) are dropped and rebuilt from what the parts and the checks hold now.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..core.config import Config
@@ -28,8 +29,9 @@ if TYPE_CHECKING:  # (they import this module's MAX_NOTE_SITES)
     from .recorder import Recorder
     from .steps import StepControl
 
-__all__ = ["DERIVED_NOTES", "MAX_NOTE_SITES", "finalize", "write_outputs"]
+__all__ = ["DERIVED_NOTES", "MAX_NOTE_SITES", "finalize", "save_report", "write_outputs"]
 
+_CONTEXT_AFTER = 2  # the events after a finding's op that its context holds
 MAX_NOTE_SITES = 64  # distinct sites a note keeps (backward's draws; steps drifted apart)
 # Rebuilt at every read of the report.
 DERIVED_NOTES = (
@@ -106,14 +108,8 @@ def write_outputs(
     """At exit: save the report to ``config.report_path`` and write the trace to ``config.trace``,
     where set. A file that cannot be written is a warning, not an error."""
     if config.report_path:
-        # A saved report is read after the run: keep the events around each finding with it.
-        around = window.around
-        report.findings = [
-            f if f.context or f.seq < 0 else replace(f, context=tuple(around(f.seq)))
-            for f in report.findings
-        ]
         try:
-            report.save(config.report_path)
+            save_report(report, window, config.report_path, final=True)
         except OSError as e:
             _output_failed("report", config.report_path, e)
     if config.trace:
@@ -123,6 +119,26 @@ def write_outputs(
             write_trace(config.trace, stream, report)
         except OSError as e:
             _output_failed("trace", config.trace, e)
+
+
+def save_report(report: Report, window: EventWindow, path: str, *, final: bool) -> None:
+    """Save ``report`` (brought up to date by the caller) at ``path``, atomically, with the
+    events around each finding and the time of the save (``meta["saved_at"]``). ``final``: at
+    the end of the run, when every finding takes its context for good; while the run goes
+    (:mod:`.keeper`), a finding keeps its context only once the window holds the events after
+    it too, and the file gets the context as far as it goes. Raises OSError."""
+    around = window.around
+    newest = window.total - 1
+    findings = []
+    for i, f in enumerate(report.findings):
+        if not f.context and f.seq >= 0:
+            f = replace(f, context=tuple(around(f.seq, after=_CONTEXT_AFTER)))
+            if final or f.seq + _CONTEXT_AFTER <= newest:  # its context is whole: keep it
+                report.findings[i] = f
+        findings.append(f)
+    report.meta["saved_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    # (a copy with the findings as far as they go; the report itself keeps what is final)
+    (report if final else replace(report, findings=findings)).save(path)
 
 
 def _output_failed(what: str, path: str, error: OSError) -> None:
