@@ -23,7 +23,18 @@ ROUTES = ("selective", "dispatch_mode")
 
 
 def _has_kernel(op) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "PreDispatch")
+    """A kernel of the selective route's at its key (not a fallthrough)."""
+    name = op.name()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        name, "PreDispatch"
+    ) and not torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(name, "PreDispatch")
+
+
+def _falls_through(op) -> bool:
+    name = op.name()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        name, "PreDispatch"
+    ) and torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(name, "PreDispatch")
 
 
 def _tagged_ops() -> list:
@@ -58,12 +69,18 @@ def test_every_random_op_of_the_tag_list_has_a_kernel_while_the_mode_runs_and_no
         extra = [str(op) for op in composite if _has_kernel(op)]
         assert torch.ops.c10d.allreduce_.default in selective_ops()  # the exchange's points
         assert _has_kernel(torch.ops.c10d.allreduce_.default)
-        assert not _has_kernel(torch.ops.aten.mm.default)  # plain compute never reaches Python
-        assert not _has_kernel(torch.ops.aten.add.Tensor)
+        # Plain compute never reaches Python, nor torch's boxed fallback for the key.
+        for op in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.add.Tensor,
+            torch.ops.aten.dropout.default,
+        ):
+            assert not _has_kernel(op) and _falls_through(op), op
     assert mode.report.meta["route"] == "selective"
     assert missing == [] and extra == []
     assert not any(_has_kernel(op) for op in direct)  # removed at exit
     assert not _has_kernel(torch.ops.c10d.allreduce_.default)
+    assert not _falls_through(torch.ops.aten.mm.default)
 
 
 def _jitter_library(name: str) -> tuple[torch.library.Library, object]:
@@ -217,8 +234,9 @@ def test_the_step_level_leaves_the_key_in_place_between_samples():
 
 
 def test_an_export_inside_the_block_loses_the_key_and_the_next_step_puts_it_back():
-    """torch takes PreDispatch out of the include set when an export's pre-dispatch tracing
-    ends; the selective route notices at the next optimizer step, puts it back and says so."""
+    """An export traces at the selective route's key: the other ops' fallthroughs go while it
+    runs (the export would fail on them), and torch takes the key out of the include set when
+    its tracing ends; the next optimizer step puts both back, and a note says so."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with rngcheck.RNGConsistencyMode(route="selective", on_finding="record") as mode:
@@ -229,6 +247,7 @@ def test_an_export_inside_the_block_loses_the_key_and_the_next_step_puts_it_back
         opt.step()
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
+        assert _falls_through(torch.ops.aten.mm.default)  # (left off while the export traced)
     steps = [e.op for e in mode.events if e.op == "aten.bernoulli_.float"]
     assert len(steps) >= 2  # the first step's and the third's
     lost = torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch)
