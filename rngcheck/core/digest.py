@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .dispatch import unseen
+
 __all__ = ["SAMPLE", "LazyDigest", "bytes_digest", "resolve_digest", "tensor_digest"]
 
 SAMPLE = 1 << 10  # elements read from a tensor; larger tensors are sampled at this many positions
@@ -105,7 +107,7 @@ def _digest(value: Any) -> int | LazyDigest | None:
     # calls only (this runs once per random op: a generator-based context and torch.no_grad()'s
     # Python objects were a tenth of the op level's own time on the benchmark's step).
     grad = _grad_enabled()
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunctionSubclass():
+    with unseen(), torch._C.DisableTorchFunctionSubclass():
         _set_grad_enabled(False)
         try:
             for item in items:

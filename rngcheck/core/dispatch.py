@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import torch
 from torch.utils._python_dispatch import (
     TorchDispatchMode,
     _get_current_dispatch_mode_stack,
@@ -36,6 +37,7 @@ __all__ = [
     "Interceptor",
     "choose_route",
     "make_interceptor",
+    "unseen",
 ]
 
 if TYPE_CHECKING:
@@ -168,6 +170,18 @@ class Interceptor(DynamoSkippedMode):
         if not kind:
             return func(*args, **(kwargs or {}))
         return self._on_special(kind, func, args, kwargs or {})
+
+
+_KEY_OF_SELECTIVE = torch._C.DispatchKeySet(torch._C.DispatchKey.PreDispatch)
+
+
+@contextlib.contextmanager
+def unseen() -> Iterator[None]:
+    """The checker's own ops (its exchanges' collectives, its digests' reads): seen by neither
+    route (nor by any other dispatch mode or tensor subclass), wherever they run: inside the
+    callback or from an optimizer-step hook, where the selective route's key is still included."""
+    with torch._C._DisableTorchDispatch(), torch._C._ExcludeDispatchKeyGuard(_KEY_OF_SELECTIVE):
+        yield
 
 
 Intercepting: TypeAlias = "Interceptor | SelectiveInterceptor"  # either route's interceptor

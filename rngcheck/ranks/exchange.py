@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.dispatch import unseen
 from .protocol import POLICY_CODE, ExchangeStats, Point, Row, fold
 
 __all__ = ["PeerLost", "SideGroup", "connection_closed"]
@@ -43,7 +44,8 @@ def _max_options() -> Any:
 def _run(post: Callable[..., Any], *args: Any) -> None:
     """Post a collective and wait for it; gloo's failure (a timeout, a peer gone) is PeerLost."""
     try:
-        post(*args).wait()
+        with unseen():
+            post(*args).wait()
     except RuntimeError as e:
         raise PeerLost(e) from e
 
@@ -66,7 +68,8 @@ class SideGroup:
     def all_reduce_max(self, t: torch.Tensor, *, fast: bool, async_op: bool = False) -> Any:
         self._count(t, fast)
         try:
-            return dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+            with unseen():
+                return dist.all_reduce(t, dist.ReduceOp.MAX, group=self.group, async_op=async_op)
         except RuntimeError as e:
             raise PeerLost(e) from e
 
@@ -80,7 +83,8 @@ class SideGroup:
         out = [torch.empty_like(t) for _ in self.domain]
         self._count(t, fast=False)
         try:
-            dist.all_gather(out, t, group=self.group)
+            with unseen():
+                dist.all_gather(out, t, group=self.group)
         except RuntimeError as e:
             raise PeerLost(e) from e
         return out

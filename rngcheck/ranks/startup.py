@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.dispatch import unseen
 from ..core.handle import CheckerHandle
 from .board import await_every_rank
 from .checker import RankChecker
@@ -37,7 +38,7 @@ def start(handle: CheckerHandle) -> RankChecker | None:
     timeout = timedelta(seconds=seconds)
     # A bad group= fails here, the same way on every rank, before any group exists.
     domain = resolve_group(cfg.group, rank, world, cfg.group if is_mesh(cfg.group) else None)
-    with torch._C._DisableTorchDispatch():
+    with unseen():
         await_every_rank(rank, world, seconds)
         world_side = dist.new_group(backend="gloo", timeout=timeout)
         try:

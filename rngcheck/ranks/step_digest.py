@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..core.dispatch import unseen
 from .protocol import text_hash
 
 __all__ = [
@@ -211,7 +212,7 @@ class StepDigests:
         total = self._sent + len(steps)
         for _ in range(_CLOSING_TRIES):
             vec = self._vector(steps, closing=True, total=total)
-            with torch._C._DisableTorchDispatch():  # (not the mode's to see)
+            with unseen():  # (not the mode's to see)
                 self._side.all_reduce_max(vec, fast=True)
             if self._closing_all(vec):
                 break
@@ -230,7 +231,7 @@ class StepDigests:
         return first
 
     def _vector(self, steps: list[_Step], *, closing: bool, total: int) -> torch.Tensor:
-        with torch._C._DisableTorchDispatch(), torch.no_grad():  # (not the mode's to see)
+        with unseen(), torch.no_grad():  # (not the mode's to see)
             vec = torch.zeros(self._per_round * _ROW + _TRAILER, dtype=torch.int64)
             if steps:
                 digests = torch.tensor([[*s.slots, *s.passes] for s in steps], dtype=torch.int64)
@@ -260,7 +261,7 @@ class StepDigests:
         steps, self._batch = self._batch, []
         self._sent += len(steps)
         vec = self._vector(steps, closing=False, total=self._sent)
-        with torch._C._DisableTorchDispatch():
+        with unseen():
             work = self._side.all_reduce_max(vec, fast=True, async_op=True)
         self._inflight = _Posted(steps, vec, work)
         self.rounds += 1
@@ -275,7 +276,7 @@ class StepDigests:
         return self._judge(posted)
 
     def _judge(self, posted: _Posted) -> StepVerdict:
-        with torch._C._DisableTorchDispatch(), torch.no_grad():
+        with unseen(), torch.no_grad():
             rows = posted.vec[: len(posted.steps) * _ROW].view(len(posted.steps), _ROW)
             # A column agrees when its largest value is minus its smallest: each step's agreeing
             # slots as the bits of one int, its passes' largest and smallest values, and its
