@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.dispatch import unseen
 from ..core.findings import Finding
 from ..core.stacks import Stack
 from .board import Board
@@ -127,7 +128,7 @@ class Rounds:
             self.busy = True
             try:
                 # Our own tensors and collectives must not reach other dispatch modes (or ours).
-                with torch._C._DisableTorchDispatch(), torch.no_grad():
+                with unseen(), torch.no_grad():
                     finding = self._exchange_now(point, where, post, joined)
             finally:
                 self.busy = False
@@ -228,12 +229,15 @@ class Rounds:
                 assert sent.init is not None
                 rows, events = [i.row for i in sent.init], [i.event for i in sent.init]
                 finding = self._divergences.judge_round(sent, rows, events, taken, init=True)
+            if finding is None and sent.held and not self._program.data_parallel:
+                # Seeded per rank, and the program is not data-parallel: that draw came first,
+                # and replicated parameters that differ in the same round are its consequence
+                # (per-rank dropout masks, per-rank gradients), so it is the finding.
+                finding = sent.held[0]
             if sent.replicas is not None:
                 self._replicas.compared += len(sent.replicas)
                 if finding is None and mismatch and not self.stopped:
                     finding = self._replicated(sent)
-            if finding is None and sent.held and not self._program.data_parallel:
-                finding = sent.held[0]  # seeded per rank, and the program is not data-parallel
             if finding is not None:
                 self.stopped = True  # P6
                 self._window.take()
