@@ -116,10 +116,10 @@ _SCANNED: dict[str, Any] = {"key": None, "ops": (), "plain": ()}
 
 def _scan() -> dict[str, Any]:
     """The dispatcher's ops, split: those the route needs a kernel for (:func:`wanted`) and the
-    names of the others. Scanned again when the dispatcher holds more ops than at the last scan
-    (a library defined some since) or more were registered as random."""
+    names of the others. Scanned again when the dispatcher's ops changed since the last scan (a
+    library defined or destroyed some) or others were registered as random."""
     names = torch._C._dispatch_get_all_op_names()
-    key = (len(names), len(_EXTRA_RANDOM))
+    key = (hash(tuple(names)), frozenset(_EXTRA_RANDOM))  # (a library may go and another come)
     if key != _SCANNED["key"]:
         ops, plain = set(), []
         for full_name in sorted(names):
@@ -234,8 +234,9 @@ class _Kernels:
 
         if _len_torch_dispatch_stack_pre_dispatch():
             return
+        mine = {op.name() for op in self._ops}  # (never over a kernel of the route's)
         for full_name in _scan()["plain"]:
-            if full_name in self._plain:
+            if full_name in self._plain or full_name in mine:
                 continue
             namespace, _, name = full_name.partition("::")
             library = self._through.get(namespace)
