@@ -154,7 +154,7 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("plain", lambda _m: contextlib.nullcontext(), "plain training"),
         Mode("noop", lambda _m: _NoOpMode(), "no-op TorchDispatchMode (floor)"),
-        Mode("rngcheck", _rngcheck(), "rngcheck, defaults (op level, selective route)"),
+        Mode("rngcheck", _rngcheck(), "rngcheck, defaults"),
         Mode(
             "rngcheck-dispatch",
             _rngcheck(route="dispatch_mode"),

@@ -34,6 +34,7 @@ def test_single_process_and_memory_tables(tmp_path):
         "plain training",
         "no-op TorchDispatchMode (floor)",
         "rngcheck, defaults",
+        'rngcheck, route="dispatch_mode" (op level)',
         'rngcheck, sync="op"',
         'rngcheck, level="step" (between samples)',
         "DebugMode + log_tensor_hashes()",
@@ -43,7 +44,8 @@ def test_single_process_and_memory_tables(tmp_path):
     ):
         assert f"| {label} |" in out
     assert "compiled step under rngcheck / compiled step" in out
-    assert "rngcheck defaults / no-op mode" in out
+    assert "d=8: rngcheck defaults (op level) / plain" in out  # (the op level's goal)
+    assert 'd=8: rngcheck route="dispatch_mode" / no-op mode' in out
     assert 'd=8: level="step", 1 step in 100 op by op / plain' in out
     assert "| random ops seen | events kept |" in out
     # GPT-2 from a tiny config, when transformers is installed (the main lane installs it).
@@ -240,7 +242,7 @@ def test_one_question_with_more_rounds(tmp_path):
         in out
     )
     assert 'd=16: level="step", 1 step in 100 op by op / plain' in out
-    assert "rngcheck defaults / no-op mode" not in out
+    assert 'route="dispatch_mode" / no-op mode' not in out  # (no no-op mode timed)
     raw = json.loads((tmp_path / "r.json").read_text())
     assert set(raw["single"]) == {"8", "16"}
     assert set(raw["single"]["16"]) == {"plain", "rngcheck", "rngcheck-step"}
