@@ -470,6 +470,7 @@ class RNGConsistencyMode:
             probe=self._probe,
             ranks=self._ranks,
             dropped=self._sink.dropped,
+            running=self._interceptor is not None,
         )
         if self._keeper.saves:  # what keeping the report on disk cost (session/keeper.py)
             self._report.meta["report_saves"] = {

@@ -58,16 +58,19 @@ def finalize(
     probe: StateProbe | None,
     ranks: RankCheck | None,
     dropped: int,
+    running: bool = False,
 ) -> None:
     """Bring ``report``'s counters, metadata and derived notes up to date. The checks are the
-    mode's (None where not started); ``dropped``: findings the sink did not keep."""
+    mode's (None where not started); ``dropped``: findings the sink did not keep; ``running``:
+    read while the block still runs (a report kept on disk, ``mode.report`` inside the block),
+    where a run without an optimizer step so far may still have one."""
     r = report
     r.random_ops = window.total
     r.ops_by_name = dict(window.by_op)
     r.ops_by_generator = dict(window.by_generator)
     if steps.ended:
         r.meta["optimizer_steps"] = len(steps.ended)
-    elif any(f.first_step for f in r.findings):  # no optimizer steps: no step to tell
+    elif not running and any(f.first_step for f in r.findings):  # no optimizer steps at all
         r.findings = [replace(f, first_step=0, last_step=0) for f in r.findings]
     if tracker is not None:
         r.meta["recompute"] = dict(tracker.stats)
