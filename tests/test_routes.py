@@ -216,19 +216,24 @@ def test_a_random_higher_order_operator_is_checked_on_the_selective_route():
 
 def test_the_step_level_leaves_the_key_in_place_between_samples():
     """Dynamo guards on the thread's dispatch keys: switching them at every sampled step would
-    compile a compiled function again. Between samples the kernels pass ops through instead."""
+    compile a compiled function again. Between samples the random ops' kernels go instead."""
     key = torch._C.DispatchKey.PreDispatch
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    included = []
+    included, kernels = [], []
     with rngcheck.RNGConsistencyMode(
         route="selective", level="step", sample_first=1, sample_every=3, on_finding="record"
     ) as mode:
         for _ in range(6):
+            # Between samples the random ops' kernels are parked: they cost what they cost
+            # without the checker; on sampled steps they are back.
+            checking = not mode._interceptor.suspended
+            kernels.append(_has_kernel(torch.ops.aten.bernoulli_.float) is checking)
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
             included.append(torch._C._dispatch_tls_is_dispatch_key_included(key))
     assert included == [True] * 6
+    assert kernels == [True] * 6
     assert not torch._C._dispatch_tls_is_dispatch_key_included(key)
     assert mode.report.meta["level"]["op_level"] == ["1", "3", "6"]  # the others between samples
 

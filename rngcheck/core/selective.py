@@ -152,21 +152,20 @@ class _Kernels:
         self._fallen: list[Any] = []  # the others, made to fall through the key
         self._lock = threading.Lock()
         self._unwatch: Callable[[], None] | None = None
+        self.parked = False  # between sampled steps (park)
+        self._through_key: Any = None  # the scan the fallthroughs were given for
 
     def install(self, owner: SelectiveInterceptor) -> None:
         with self._lock:
             if self.owner is not None:
                 raise RuntimeError("the selective route is already in use by another checker")
             self.owner = owner
-            try:
-                self._watch_exports()
-                for op in selective_ops():
-                    self._add(op)
-                self._fall_through()
-                self._add_hops()
-            except BaseException:
-                self._remove()
-                raise
+        try:
+            self._watch_exports()
+            self.refresh()
+        except BaseException:
+            self.uninstall()
+            raise
 
     def uninstall(self) -> None:
         with self._lock:
@@ -188,14 +187,33 @@ class _Kernels:
         self._unwatch = lambda: setattr(ops, "_set_mode_pre_dispatch", original)
 
     def refresh(self) -> None:
-        """Kernels for ops and higher-order operators defined since the last look."""
+        """Kernels for ops and higher-order operators defined since the last look (the random
+        ops' and collectives' only while not parked): one scan of the dispatcher, 1 to 2 ms."""
         with self._lock:
             if self.owner is not None:
-                for op in selective_ops():
-                    if op not in self._ops:
-                        self._add(op)
-                self._fall_through()
+                scan = _scan()
+                if not self.parked:
+                    for op in scan["ops"]:
+                        if op not in self._ops:
+                            self._add(op)
+                self._fall_through(scan)
                 self._add_hops()
+
+    def park(self) -> None:
+        """Between sampled steps: the random ops' and collectives' kernels go (they are put back
+        by :meth:`refresh`), so that those ops cost what they cost without the checker (a Python
+        call each that passes the op on cost 7 to 16 us, 2% to 3% of the smallest benchmark
+        model's step). The key and the other ops' fallthroughs stay."""
+        with self._lock:
+            self.parked = True
+            for library in self._libraries.values():
+                library._destroy()
+            self._libraries.clear()
+            self._ops.clear()
+
+    def unpark(self) -> None:
+        self.parked = False
+        self.refresh()
 
     def falling_through(self) -> bool:
         return bool(self._plain)
@@ -203,7 +221,7 @@ class _Kernels:
     def add(self, op: Any) -> None:
         """A kernel for an op registered as random while the checker runs."""
         with self._lock:
-            if self.owner is not None and op not in self._ops and wanted(op):
+            if self.owner is not None and not self.parked and op not in self._ops and wanted(op):
                 self._add(op)
 
     def _library(self, namespace: str) -> torch.library.Library:
@@ -216,15 +234,16 @@ class _Kernels:
         name = op._schema.name.split("::", 1)[1]
         if op._overloadname != "default":
             name = f"{name}.{op._overloadname}"
-        with warnings.catch_warnings():
-            # (an op registered as random while the checker runs had a fallthrough until now)
-            warnings.simplefilter("ignore", UserWarning)
-            self._library(op.namespace).impl(
-                name, _kernel(op, self), "PreDispatch", with_keyset=True
-            )
+        kernel = _kernel(op, self)
+        if op.name() in self._plain:  # registered as random while the checker runs: it had a
+            with warnings.catch_warnings():  # fallthrough, which this kernel overrides
+                warnings.simplefilter("ignore", UserWarning)
+                self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
+        else:
+            self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
         self._ops.add(op)
 
-    def _fall_through(self) -> None:
+    def _fall_through(self, scan: dict[str, Any]) -> None:
         """Every other op falls through the key (at no cost: the dispatcher leaves the key out
         of the op's keys). Without this it would meet torch's fallback for the key, a boxed
         redispatch, about 1 us an op: 6% to 10% of the benchmark's d=32 step. Not while an
@@ -232,10 +251,10 @@ class _Kernels:
         from torch._ops import _len_torch_dispatch_stack_pre_dispatch
         from torch.library import fallthrough_kernel
 
-        if _len_torch_dispatch_stack_pre_dispatch():
-            return
-        mine = {op.name() for op in self._ops}  # (never over a kernel of the route's)
-        for full_name in _scan()["plain"]:
+        if scan["key"] == self._through_key or _len_torch_dispatch_stack_pre_dispatch():
+            return  # (all given already, for this scan)
+        mine = {op.name() for op in scan["ops"]}  # (never over a kernel of the route's)
+        for full_name in scan["plain"]:
             if full_name in self._plain or full_name in mine:
                 continue
             namespace, _, name = full_name.partition("::")
@@ -244,6 +263,7 @@ class _Kernels:
                 library = self._through[namespace] = torch.library.Library(namespace, "IMPL")
             library.impl(name, fallthrough_kernel, "PreDispatch")
             self._plain.add(full_name)
+        self._through_key = scan["key"]
 
     def export_started(self) -> None:
         """An export's pre-dispatch tracing pushes its first mode: its tracing runs at this
@@ -257,6 +277,7 @@ class _Kernels:
             library._destroy()
         self._through.clear()
         self._plain.clear()
+        self._through_key = None
 
     def _add_hops(self) -> None:
         from torch._ops import _higher_order_ops
@@ -293,6 +314,7 @@ class _Kernels:
             hop._dispatch_cache.clear()
         self._fallen.clear()
         self.owner = None
+        self.parked = False
 
 
 def _never_compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -371,16 +393,18 @@ class SelectiveInterceptor:
         _KERNELS.uninstall()
 
     def suspend(self) -> bool:
-        """Stop checking ops until :meth:`resume`: the kernels run each op past the key. The key
-        stays in the include set: Dynamo guards on it, and a compiled function would compile
-        again at every switch of the step level."""
-        self.suspended = True
+        """Stop checking ops until :meth:`resume`: the random ops' kernels go (``park``), and
+        the key stays in the include set: Dynamo guards on it, and a compiled function would
+        compile again at every switch of the step level."""
+        if not self.suspended:
+            self.suspended = True
+            _KERNELS.park()
         return True
 
     def resume(self) -> None:
         if self.suspended:
             self.suspended = False
-            _KERNELS.refresh()
+            _KERNELS.unpark()
 
     def heal(self) -> bool:
         """Put the key back when something took it out of this thread's include set (torch does,
