@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -223,6 +222,7 @@ class _Kernels:
         with self._lock:
             if self.owner is not None and not self.parked and op not in self._ops and wanted(op):
                 self._add(op)
+                self._fall_through(_scan())
 
     def _library(self, namespace: str) -> torch.library.Library:
         library = self._libraries.get(namespace)
@@ -234,13 +234,17 @@ class _Kernels:
         name = op._schema.name.split("::", 1)[1]
         if op._overloadname != "default":
             name = f"{name}.{op._overloadname}"
+        if op.name() in self._plain:
+            # Registered as random while the checker runs, it has a fallthrough, which no kernel
+            # may override from another library (torch 2.9 refuses; later ones warn): its
+            # namespace's fallthroughs go, and the next _fall_through gives back the others'.
+            library = self._through.pop(op.namespace, None)
+            if library is not None:
+                library._destroy()
+            self._plain = {n for n in self._plain if not n.startswith(op.namespace + "::")}
+            self._through_key = None
         kernel = _kernel(op, self)
-        if op.name() in self._plain:  # registered as random while the checker runs: it had a
-            with warnings.catch_warnings():  # fallthrough, which this kernel overrides
-                warnings.simplefilter("ignore", UserWarning)
-                self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
-        else:
-            self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
+        self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
         self._ops.add(op)
 
     def _fall_through(self, scan: dict[str, Any]) -> None:
