@@ -22,19 +22,21 @@ from rngcheck.core.selective import selective_ops, wanted
 ROUTES = ("selective", "dispatch_mode")
 
 
-def _has_kernel(op) -> bool:
-    """A kernel of the selective route's at its key (not a fallthrough)."""
+def _at_key(op) -> str:
+    """What the selective route's key holds for ``op``: "kernel", "fallthrough" or ""."""
     name = op.name()
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        name, "PreDispatch"
-    ) and not torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(name, "PreDispatch")
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "PreDispatch"):
+        return ""
+    fallthrough = torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(name, "PreDispatch")
+    return "fallthrough" if fallthrough else "kernel"
+
+
+def _has_kernel(op) -> bool:
+    return _at_key(op) == "kernel"
 
 
 def _falls_through(op) -> bool:
-    name = op.name()
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        name, "PreDispatch"
-    ) and torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(name, "PreDispatch")
+    return _at_key(op) == "fallthrough"
 
 
 def _tagged_ops() -> list:

@@ -98,8 +98,6 @@ class Interceptor(DynamoSkippedMode):
     """Hands random ops and collectives to ``on_special(kind, func, args, kwargs)``, which runs
     them; every other op runs as it came."""
 
-    route = "dispatch_mode"
-
     # Higher-order operators come through too (a compiled graph running outside inductor's graph
     # hook runs its functionalised random ops as run_and_save_rng_state / run_with_rng_state):
     # the random ones are checked, the others run as they came.

@@ -77,6 +77,9 @@ def unavailable() -> str:
         (torch._C, "_dispatch_get_all_op_names"),
         (torch._C, "_dispatch_has_kernel_for_dispatch_key"),
         (torch._ops, "_higher_order_ops"),
+        (torch._ops, "_set_mode_pre_dispatch"),
+        (torch._ops, "_len_torch_dispatch_stack_pre_dispatch"),
+        (torch.library, "fallthrough_kernel"),
         (HigherOrderOperator, "py_impl"),
     )
     missing = [f"{getattr(o, '__name__', o)}.{name}" for o, name in needs if not hasattr(o, name)]
@@ -205,10 +208,7 @@ class _Kernels:
         model's step). The key and the other ops' fallthroughs stay."""
         with self._lock:
             self.parked = True
-            for library in self._libraries.values():
-                library._destroy()
-            self._libraries.clear()
-            self._ops.clear()
+            self._drop_kernels()
 
     def unpark(self) -> None:
         self.parked = False
@@ -224,12 +224,6 @@ class _Kernels:
                 self._add(op)
                 self._fall_through(_scan())
 
-    def _library(self, namespace: str) -> torch.library.Library:
-        library = self._libraries.get(namespace)
-        if library is None:
-            library = self._libraries[namespace] = torch.library.Library(namespace, "IMPL")
-        return library
-
     def _add(self, op: Any) -> None:
         name = op._schema.name.split("::", 1)[1]
         if op._overloadname != "default":
@@ -238,13 +232,11 @@ class _Kernels:
             # Registered as random while the checker runs, it has a fallthrough, which no kernel
             # may override from another library (torch 2.9 refuses; later ones warn): its
             # namespace's fallthroughs go, and the next _fall_through gives back the others'.
-            library = self._through.pop(op.namespace, None)
-            if library is not None:
-                library._destroy()
+            _destroy(self._through, op.namespace)
             self._plain = {n for n in self._plain if not n.startswith(op.namespace + "::")}
             self._through_key = None
         kernel = _kernel(op, self)
-        self._library(op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
+        _library(self._libraries, op.namespace).impl(name, kernel, "PreDispatch", with_keyset=True)
         self._ops.add(op)
 
     def _fall_through(self, scan: dict[str, Any]) -> None:
@@ -262,10 +254,7 @@ class _Kernels:
             if full_name in self._plain or full_name in mine:
                 continue
             namespace, _, name = full_name.partition("::")
-            library = self._through.get(namespace)
-            if library is None:
-                library = self._through[namespace] = torch.library.Library(namespace, "IMPL")
-            library.impl(name, fallthrough_kernel, "PreDispatch")
+            _library(self._through, namespace).impl(name, fallthrough_kernel, "PreDispatch")
             self._plain.add(full_name)
         self._through_key = scan["key"]
 
@@ -276,10 +265,12 @@ class _Kernels:
         with self._lock:
             self._drop_fallthroughs()
 
+    def _drop_kernels(self) -> None:
+        _destroy(self._libraries)
+        self._ops.clear()
+
     def _drop_fallthroughs(self) -> None:
-        for library in self._through.values():
-            library._destroy()
-        self._through.clear()
+        _destroy(self._through)
         self._plain.clear()
         self._through_key = None
 
@@ -304,10 +295,7 @@ class _Kernels:
         if self._unwatch is not None:
             self._unwatch()
             self._unwatch = None
-        for library in self._libraries.values():
-            library._destroy()
-        self._libraries.clear()
-        self._ops.clear()
+        self._drop_kernels()
         self._drop_fallthroughs()
         for hop in self._hops:
             hop.py_kernels.pop(_KEY, None)
@@ -319,6 +307,22 @@ class _Kernels:
         self._fallen.clear()
         self.owner = None
         self.parked = False
+
+
+def _library(libraries: dict[str, torch.library.Library], namespace: str) -> Any:
+    """``namespace``'s library among ``libraries`` (one per namespace), made the first time."""
+    library = libraries.get(namespace)
+    if library is None:
+        library = libraries[namespace] = torch.library.Library(namespace, "IMPL")
+    return library
+
+
+def _destroy(libraries: dict[str, torch.library.Library], namespace: str | None = None) -> None:
+    """Destroy ``libraries`` (or only ``namespace``'s): every registration they made goes."""
+    for name in list(libraries) if namespace is None else [namespace]:
+        library = libraries.pop(name, None)
+        if library is not None:
+            library._destroy()
 
 
 def _never_compiled(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -372,12 +376,9 @@ class SelectiveInterceptor:
     thread, and torch carries it to the threads it runs a backward on, as it carries the mode
     stack), suspended between sampled steps, set aside for a compiled graph's call."""
 
-    route = "selective"
-
     def __init__(self, on_special: OnSpecial) -> None:
         self._on_special = on_special
         self.suspended = False
-        self.healed = 0  # times the key was found taken out of the include set, and put back
         self._entered = False
         self._was_included = False
 
@@ -413,15 +414,14 @@ class SelectiveInterceptor:
     def heal(self) -> bool:
         """Put the key back when something took it out of this thread's include set (torch does,
         when an export's pre-dispatch tracing inside the checked block ends), and the other
-        ops' fallthroughs once no export traces. True when the key was gone, counted in
-        :attr:`healed`. The mode calls it at every optimizer step."""
+        ops' fallthroughs once no export traces. True when the key was gone (the mode calls it at
+        every optimizer step, and notes the steps)."""
         if not self._entered:
             return False
         if not _KERNELS.falling_through():
             _KERNELS.refresh()
         if not _included(_KEY):
             _set_included(_KEY, True)
-            self.healed += 1
             return True
         return False
 

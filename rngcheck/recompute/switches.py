@@ -123,35 +123,24 @@ class ModeSwitches:
         before: dict[int, bool],
         regions: list[Region],
     ) -> None:
-        try:
-            self._note(name, module, args, kwargs, before, regions)
-        except Exception:  # noqa: BLE001 - a checker's bug must never reach training
-            log.exception("rngcheck could not note a train()/eval() call")
-
-    def _note(
-        self,
-        name: str,
-        module: nn.Module,
-        args: tuple,
-        kwargs: dict,
-        before: dict[int, bool],
-        regions: list[Region],
-    ) -> None:
         """Keep the call on every waiting region whose modules it switched (``before``: the
         training flags of ``module``'s modules before the call, by id)."""
-        changed = {id(m) for m in module.modules() if before.get(id(m)) != m.training}
-        if not changed:
-            return
-        training = module.training
-        stack: Stack | None = None
-        for region in regions:
-            held = region.held() if region.held is not None else None
-            if held is None or not any(id(m) in changed for m in held.modules()):
-                continue
-            if region.modes is None:  # the modes its forward ran in, before the first switch
-                region.modes = {id(m): before.get(id(m), m.training) for m in held.modules()}
-            if stack is None:
-                stack = Stack.capture()
-                told = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
-                call = f"{type(module).__name__}.{name}({told})"  # (its line shows which)
-            region.switches = (*region.switches, Switch(call, training, stack))
+        try:
+            changed = {id(m) for m in module.modules() if before.get(id(m)) != m.training}
+            if not changed:
+                return
+            training = module.training
+            stack: Stack | None = None
+            for region in regions:
+                held = region.held() if region.held is not None else None
+                if held is None or not any(id(m) in changed for m in held.modules()):
+                    continue
+                if region.modes is None:  # the modes its forward ran in, before the first switch
+                    region.modes = {id(m): before.get(id(m), m.training) for m in held.modules()}
+                if stack is None:
+                    stack = Stack.capture()
+                    told = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+                    call = f"{type(module).__name__}.{name}({told})"  # (its line shows which)
+                region.switches = (*region.switches, Switch(call, training, stack))
+        except Exception:  # noqa: BLE001 - a checker's bug must never reach training
+            log.exception("rngcheck could not note a train()/eval() call")

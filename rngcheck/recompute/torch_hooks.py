@@ -429,7 +429,9 @@ class TorchCheckpointPatches:
 
         if context_fn is not tuc.noop_context_fn:
             region.selective = True
-            if not torch.compiler.is_compiling():
+            # The selective route sees each op before the cache and tells a cached answer by
+            # the generator that did not move: no observer there.
+            if not torch.compiler.is_compiling() and not tracker.sees_first:
                 user_context_fn = context_fn
 
                 def context_fn() -> tuple[Any, Any]:
@@ -528,9 +530,7 @@ class _CacheObserver(DynamoSkippedMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if classify(func) is not OpKind.RANDOM or self._tracker.sees_first:
-            # (The selective route saw the op before this observer: it tells a cached answer
-            # by the generator that did not move.)
+        if classify(func) is not OpKind.RANDOM:
             return func(*args, **kwargs)
         seen = self._tracker.recorded
         out = func(*args, **kwargs)
