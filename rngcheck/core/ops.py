@@ -121,6 +121,34 @@ def writes_first_argument(func: Any) -> bool:
     return hit
 
 
+_DETERMINED: dict[Any, bool] = {}
+
+
+def state_determines_output(func: Any) -> bool:
+    """Whether the op's output follows from the generator's state and its summarised arguments
+    alone: it takes no tensor but the one it fills in place (``bernoulli_.float``, ``normal_``,
+    ``uniform_``), or none at all (``randn``, ``randperm``). Two such draws with the same op,
+    arguments and state before made the same output, so the recompute comparison needs no
+    digest of it. An op that reads a tensor's values (``bernoulli(probs)``, ``native_dropout``,
+    the ``out=`` and ``_like`` overloads) is not one: its output is digested."""
+    hit = _DETERMINED.get(func)
+    if hit is None:
+        arguments = getattr(getattr(func, "_schema", None), "arguments", None)
+        if arguments is None:  # a higher-order operator: what it runs decides
+            hit = False
+        else:
+            tensors = [a for a in arguments if "Tensor" in str(a.type)]
+            first = arguments[0] if arguments else None
+            hit = not tensors or (
+                tensors == [first]
+                and first is not None
+                and first.alias_info is not None
+                and first.alias_info.is_write
+            )
+        _DETERMINED[func] = hit
+    return hit
+
+
 def op_name(func: Any) -> str:
     """``aten.bernoulli_.float``: namespace, name and overload, as torch prints them (kept per
     op: torch formats an OpOverload's name in Python at every ``str``, once per random op)."""

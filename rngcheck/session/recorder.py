@@ -37,6 +37,7 @@ from ..core.ops import (
     op_device,
     op_generator,
     op_name,
+    state_determines_output,
     summarize_args,
     writes_first_argument,
 )
@@ -203,7 +204,9 @@ class Recorder:
             # now on its calls run with the mode set aside (see on_compiled_graph).
             self.graph_hook.install()
             op, summary = f"compiled_graph.{call.kind}", tuple[str, ...]()
+            determined = False
         else:
+            determined = device.type in _STATE_DEVICES and state_determines_output(func)
             op, summary = op_name(func), summarize_args(func, args, kwargs)
             if tracker is not None and not tracker.active() and not self.unseen_checkpoint:
                 self._check_coverage(op)
@@ -213,7 +216,9 @@ class Recorder:
             # group; an in-place op's target tells a parameter's initialisation (replicated.py).
             mesh = self.ranks.mesh_of(args, kwargs)
             written = args[0] if args and writes_first_argument(func) else None
-        self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written)
+        self._drawn(
+            op, summary, tracked, before, after, oob, mark, out, call, mesh, written, determined
+        )
         return out
 
     def _before_draw(self, tracked: Any) -> tuple[int | None, OutOfBandChange | None, int]:
@@ -238,8 +243,10 @@ class Recorder:
         call: CompiledCall | None,
         mesh: Any = None,
         written: Any = None,
+        determined: bool = False,
     ) -> None:
-        """A draw happened: note the generator's new state, build the event, and hand it on."""
+        """A draw happened: note the generator's new state, build the event, and hand it on.
+        ``determined``: the state before and the arguments decide the output (no digest)."""
         tracked.last_after = after
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):
@@ -254,12 +261,20 @@ class Recorder:
             stack = Stack.capture(innermost=call.sources[0])
         inferred = self.inferred
         # A compiled graph's draw has no output of its own (its seeds, or the graph's outputs
-        # with saved activations): its generator's states are what is compared.
-        digest = call is None and (
-            in_region
-            or (
-                inferred is not None
-                and (phase is BACKWARD or (inferred.watching and inferred.watches(user_frame())))
+        # with saved activations): its generator's states are what is compared. Nor has a draw
+        # whose state and arguments decide its output (dropout's bernoulli_ on the CPU): the
+        # recompute comparison compares those first, and the same ones made the same output.
+        digest = (
+            call is None
+            and (before is None or not determined)
+            and (
+                in_region
+                or (
+                    inferred is not None
+                    and (
+                        phase is BACKWARD or (inferred.watching and inferred.watches(user_frame()))
+                    )
+                )
             )
         )
         event = self._event(
@@ -405,6 +420,11 @@ class Recorder:
             entry[0] += 1
         elif len(self.backward_sites) < MAX_NOTE_SITES:
             self.backward_sites[site] = [1, event.stack, event.op]
+
+
+# Devices whose generator state, as read, decides what a draw makes: the CPU's whole Mersenne
+# Twister state, CUDA's Philox seed and offset (torch_xla's state is the seed alone).
+_STATE_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def _on_dtensor(args: tuple) -> bool:
