@@ -58,6 +58,7 @@ def test_single_process_and_memory_tables(quick_run):
     assert 'd=8: level="step", 1 step in 100 op by op / plain' in out
     assert "| random ops seen | events kept |" in out
     assert "### GPT-2 small's size on a CUDA GPU" in out  # (timed, or skipped in one line)
+    assert "### timm ViT, tiny config" in out  # (timed, or skipped in one line)
 
     assert [len(block) for block in raw["single"]["8"]["rngcheck"]["samples"]] == [2, 2]
     # The window (16 events in the quick run) bounds what the checker keeps.
@@ -76,6 +77,39 @@ def test_a_hugging_face_gpt2_table_and_its_budgets(quick_run):
     assert 'GPT-2 (tiny config): level="step" between samples / plain' in out
     assert "GPT-2 (tiny config): rngcheck defaults (op level) / plain" in out  # (the goal)
     assert set(raw["gpt2"]) == {"plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step"}
+
+
+@pytest.mark.slow
+def test_a_timm_vit_table_and_its_budgets(quick_run):
+    """A timm ViT from a tiny config (stochastic depth, dropout, gradient checkpointing), when
+    timm imports (no lane installs it: benchmarks/vit.py says why)."""
+    pytest.importorskip("timm")
+    out, raw = quick_run
+    assert "| ViT ms | ViT / plain | ViT / plain (CPU) |" in out
+    for label in (
+        "plain training",
+        "rngcheck, defaults",
+        'rngcheck, level="step" (between samples)',
+    ):
+        assert f"| {label} |" in out
+    assert 'timm ViT (tiny config): level="step" between samples / plain' in out
+    assert 'timm ViT (tiny config): level="step", 1 step in 100 op by op / plain' in out
+    assert "timm ViT (tiny config): rngcheck defaults (op level) / plain" in out  # (the goal)
+    assert set(raw["vit"]) == {"plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step"}
+
+
+def test_the_vit_section_says_in_one_line_why_it_was_skipped():
+    """Without timm (or with one whose torchvision does not import beside this torch) the ViT
+    section times nothing and says why in one line."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import vit
+
+    missing = vit.timm_missing()
+    if missing is None:
+        pytest.skip("timm imports here: the section times its ViT")
+    text, raw = vit.section(True)
+    assert (text.splitlines()[-1], raw) == (f"Skipped: {missing}.", {})
+    assert missing == "timm is not installed" or missing.startswith("timm does not import (")
 
 
 @pytest.mark.slow
@@ -233,7 +267,7 @@ def test_one_question_with_more_rounds(tmp_path):
     machine needs many rounds of); the budgets that lack a mode are left out, not faked."""
     out = _run(
         "--skip",
-        "ranks,compiled,memory,gpt2",
+        "ranks,compiled,memory,gpt2,vit",
         "--modes",
         "plain,rngcheck,rngcheck-step",
         "--sizes",
