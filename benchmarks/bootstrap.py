@@ -1,7 +1,7 @@
 """How sure a two-rank step-level ratio is: a bootstrap over the rounds of a ``--json`` file.
 
-    .venv/bin/python -m benchmarks --skip single,compiled,gpt2,memory,gpu --sizes 32 --rounds 100 \\
-        --modes plain,rngcheck,rngcheck-step --json r.json
+    .venv/bin/python -m benchmarks --skip single,compiled,gpt2,vit,memory,gpu --sizes 32 \\
+        --rounds 100 --modes plain,rngcheck,rngcheck-step --json r.json
     .venv/bin/python -m benchmarks.bootstrap r.json          # every model timed there
 
 For each model and clock: level="step" between samples over plain training, the op level over

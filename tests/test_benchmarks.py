@@ -27,9 +27,18 @@ def _run(*args: str) -> str:
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One quick run of every one-process section (the two-rank one has tests of its own): its
+    markdown and its JSON file, shared by the tests of what each section prints."""
+    path = tmp_path_factory.mktemp("bench") / "r.json"
+    out = _run("--skip", "ranks", "--json", str(path))
+    return out, json.loads(path.read_text())
+
+
 @pytest.mark.slow
-def test_single_process_and_memory_tables(tmp_path):
-    out = _run("--skip", "ranks", "--json", str(tmp_path / "r.json"))
+def test_single_process_and_memory_tables(quick_run):
+    out, raw = quick_run
     for label in (
         "plain training",
         "no-op TorchDispatchMode (floor)",
@@ -48,19 +57,59 @@ def test_single_process_and_memory_tables(tmp_path):
     assert 'd=8: rngcheck route="dispatch_mode" / no-op mode' in out
     assert 'd=8: level="step", 1 step in 100 op by op / plain' in out
     assert "| random ops seen | events kept |" in out
-    # GPT-2 from a tiny config, when transformers is installed (the main lane installs it).
-    pytest.importorskip("transformers")
-    assert "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |" in out
-    assert 'GPT-2 (tiny config): level="step" between samples / plain' in out
     assert "### GPT-2 small's size on a CUDA GPU" in out  # (timed, or skipped in one line)
+    assert "### timm ViT, tiny config" in out  # (timed, or skipped in one line)
 
-    raw = json.loads((tmp_path / "r.json").read_text())
     assert [len(block) for block in raw["single"]["8"]["rngcheck"]["samples"]] == [2, 2]
     # The window (16 events in the quick run) bounds what the checker keeps.
     assert [s["events_kept"] for s in raw["memory"]["defaults"]][1:] == [16, 16, 16]
     # level="step" keeps only the events of its first two steps (8 dropout draws each).
     assert 'steps at level="step", between samples' in out
     assert [s["events_kept"] for s in raw["memory"]["step_level"]][1:] == [16, 16, 16]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_gpt2_table_and_its_budgets(quick_run):
+    """GPT-2 from a tiny config, when transformers is installed (the main lane installs it)."""
+    pytest.importorskip("transformers")
+    out, raw = quick_run
+    assert "| GPT-2 ms | GPT-2 / plain | GPT-2 / plain (CPU) |" in out
+    assert 'GPT-2 (tiny config): level="step" between samples / plain' in out
+    assert "GPT-2 (tiny config): rngcheck defaults (op level) / plain" in out  # (the goal)
+    assert set(raw["gpt2"]) == {"plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step"}
+
+
+@pytest.mark.slow
+def test_a_timm_vit_table_and_its_budgets(quick_run):
+    """A timm ViT from a tiny config (stochastic depth, dropout, gradient checkpointing), when
+    timm imports (no lane installs it: benchmarks/vit.py says why)."""
+    pytest.importorskip("timm")
+    out, raw = quick_run
+    assert "| ViT ms | ViT / plain | ViT / plain (CPU) |" in out
+    for label in (
+        "plain training",
+        "rngcheck, defaults",
+        'rngcheck, level="step" (between samples)',
+    ):
+        assert f"| {label} |" in out
+    assert 'timm ViT (tiny config): level="step" between samples / plain' in out
+    assert 'timm ViT (tiny config): level="step", 1 step in 100 op by op / plain' in out
+    assert "timm ViT (tiny config): rngcheck defaults (op level) / plain" in out  # (the goal)
+    assert set(raw["vit"]) == {"plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step"}
+
+
+def test_the_vit_section_says_in_one_line_why_it_was_skipped():
+    """Without timm (or with one whose torchvision does not import beside this torch) the ViT
+    section times nothing and says why in one line."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import vit
+
+    missing = vit.timm_missing()
+    if missing is None:
+        pytest.skip("timm imports here: the section times its ViT")
+    text, raw = vit.section(True)
+    assert (text.splitlines()[-1], raw) == (f"Skipped: {missing}.", {})
+    assert missing == "timm is not installed" or missing.startswith("timm does not import (")
 
 
 @pytest.mark.slow
@@ -218,7 +267,7 @@ def test_one_question_with_more_rounds(tmp_path):
     machine needs many rounds of); the budgets that lack a mode are left out, not faked."""
     out = _run(
         "--skip",
-        "ranks,compiled,memory,gpt2",
+        "ranks,compiled,memory,gpt2,vit",
         "--modes",
         "plain,rngcheck,rngcheck-step",
         "--sizes",
