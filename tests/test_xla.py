@@ -127,6 +127,31 @@ def test_preserve_rng_state_false_detected(device):
     assert site is not None and site.line.endswith("# dropout line")
 
 
+def test_outputs_on_the_device_are_compared_at_the_recompute_end_first_difference_first(device):
+    """An XLA output's digest stays on the device until the recompute ends (one fetch for the
+    region, not a sync per op). The first difference is still the one reported: op 0's output
+    (a global it reads changed before backward), not op 1's arguments, found while the recompute
+    ran."""
+    keep = torch.full((4, 16), 0.7, device=device)
+    size = [16]
+
+    def block(x):
+        a = x * torch.bernoulli(keep)  # <- reads a global
+        return a * torch.rand(size, device=device).sum()
+
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        out = xla_checkpoint.checkpoint(block, x)
+        keep.fill_(0.2)
+        size[0] = 8
+        out.sum().backward()
+        xm.mark_step()
+    [finding] = mode.report.findings
+    assert finding.op == "aten.bernoulli.default" and finding.differs == "output", finding.message
+    recomputed = [e for e in mode.events if e.phase is Phase.RECOMPUTE]
+    assert [e.op for e in recomputed] == ["aten.bernoulli.default", "aten.rand.default"]
+
+
 def test_checkpoint_restoring_quiet_across_steps(device):
     """torch_xla's checkpoint restores the seed: quiet, step after step, with syncs between."""
     layer, block = _dropout_block(device)

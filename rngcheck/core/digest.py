@@ -38,7 +38,14 @@ import torch
 
 from .dispatch import unseen
 
-__all__ = ["SAMPLE", "LazyDigest", "bytes_digest", "resolve_digest", "tensor_digest"]
+__all__ = [
+    "SAMPLE",
+    "LazyDigest",
+    "bytes_digest",
+    "resolve_all",
+    "resolve_digest",
+    "tensor_digest",
+]
 
 SAMPLE = 1 << 10  # elements read from a tensor; larger tensors are sampled at this many positions
 
@@ -67,15 +74,24 @@ class LazyDigest:
         self._host = host
         self._value: int | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Whether the value still waits on the device."""
+        return self._pending is not None
+
     def resolve(self) -> int:
         if self._pending is not None:
-            h = hashlib.blake2b(self._host, digest_size=8)
-            for t in self._pending:
-                h.update(int(t.item()).to_bytes(8, "little", signed=True))
-            self._value = int.from_bytes(h.digest(), "little", signed=True)
-            self._pending = None
+            with unseen():
+                self._finish([int(t.item()) for t in self._pending])
         assert self._value is not None
         return self._value
+
+    def _finish(self, folded: list[int]) -> None:
+        h = hashlib.blake2b(self._host, digest_size=8)
+        for value in folded:
+            h.update(value.to_bytes(8, "little", signed=True))
+        self._value = int.from_bytes(h.digest(), "little", signed=True)
+        self._pending = None
 
     def __repr__(self) -> str:
         return f"LazyDigest({'pending' if self._pending is not None else self._value})"
@@ -83,6 +99,25 @@ class LazyDigest:
 
 def resolve_digest(d: int | LazyDigest | None) -> int | None:
     return d.resolve() if isinstance(d, LazyDigest) else d
+
+
+def resolve_all(digests: Iterable[Any]) -> None:
+    """Fetch every pending digest among ``digests`` with one transfer per device (one sync for a
+    whole recompute's outputs, where resolving them one by one syncs at each)."""
+    waiting = [d for d in digests if isinstance(d, LazyDigest) and d._pending is not None]
+    if not waiting:
+        return
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for d in waiting:
+        for t in d._pending or ():
+            by_device.setdefault(t.device, []).append(t)
+    fetched: dict[int, int] = {}
+    with unseen():
+        for tensors in by_device.values():
+            for t, value in zip(tensors, torch.stack(tensors).cpu().tolist(), strict=True):
+                fetched[id(t)] = int(value)
+        for d in waiting:
+            d._finish([fetched[id(t)] for t in d._pending or ()])
 
 
 _grad_enabled = torch._C.is_grad_enabled
@@ -183,8 +218,14 @@ def _parts(t: Any, label: str) -> list[tuple[str, torch.Tensor]] | None:
     kind = type(t)
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
         return _subclass_parts(t, label)
-    if t.device.type == "meta" or torch._is_functional_tensor(t):
-        return None  # no data (meta), or a functionalization wrapper whose data is elsewhere
+    if t.device.type == "meta":
+        return None  # no data
+    if torch._is_functional_tensor(t):
+        # A functionalization wrapper (torch_xla's tensors above functionalization, where the
+        # selective route sees ops): its current value's parts, if they can be read (under
+        # torch.compile the value is a FakeTensor: none).
+        torch._sync(t)
+        return _parts(torch._from_functional_tensor(t), label)
     if t.is_nested:  # a strided nested tensor: its components (it has no sizes of its own)
         label = f"{label}nested{t.dtype}"
         return _join(_parts(c, f"{label}/{i}") for i, c in enumerate(t.unbind()))

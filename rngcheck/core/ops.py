@@ -123,20 +123,28 @@ def writes_first_argument(func: Any) -> bool:
 
 _DETERMINED: dict[Any, bool] = {}
 
+# torch's in-place fills: each overwrites its tensor with draws from the generator, whatever the
+# tensor held (unlike dropout_ or alpha_dropout_, which scale the values they find).
+_FILLS = frozenset(
+    {"bernoulli_", "uniform_", "normal_", "cauchy_", "exponential_", "geometric_", "log_normal_"}
+)
+
 
 def state_determines_output(func: Any) -> bool:
-    """Whether the op's output follows from the generator's state and its summarised arguments
-    alone: it takes no tensor but the one it fills in place (``bernoulli_.float``, ``normal_``,
-    ``uniform_``), or none at all (``randn``, ``randperm``). Two such draws with the same op,
-    arguments and state before made the same output, so the recompute comparison needs no
-    digest of it. An op that reads a tensor's values (``bernoulli(probs)``, ``native_dropout``,
-    the ``out=`` and ``_like`` overloads) is not one: its output is digested."""
+    """Whether an aten op's output follows from the generator's state and its summarised
+    arguments alone: one of torch's in-place fills with no tensor argument but the one it fills
+    (``bernoulli_.float``, ``normal_``, ``uniform_``), or an op with no tensor argument at all
+    (``randn``, ``randperm``). Two such draws with the same op, arguments and state before made
+    the same output, so the recompute comparison needs no digest of it. An op that reads a
+    tensor's values (``bernoulli(probs)``, ``native_dropout``, ``dropout_``, the ``out=`` and
+    ``_like`` overloads) and every op outside aten (a custom op) is not one: its output is
+    digested."""
     hit = _DETERMINED.get(func)
     if hit is None:
-        arguments = getattr(getattr(func, "_schema", None), "arguments", None)
-        if arguments is None:  # a higher-order operator: what it runs decides
-            hit = False
-        else:
+        schema = getattr(func, "_schema", None)
+        hit = False
+        if schema is not None and getattr(func, "namespace", "") == "aten":
+            arguments = schema.arguments
             tensors = [a for a in arguments if "Tensor" in str(a.type)]
             first = arguments[0] if arguments else None
             hit = not tensors or (
@@ -144,6 +152,7 @@ def state_determines_output(func: Any) -> bool:
                 and first is not None
                 and first.alias_info is not None
                 and first.alias_info.is_write
+                and schema.name.removeprefix("aten::") in _FILLS
             )
         _DETERMINED[func] = hit
     return hit

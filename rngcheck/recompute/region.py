@@ -51,6 +51,9 @@ class _RegionFields:
     # A recompute runs inside the region's own forward (torch.autograd.grad in the checkpointed
     # function): it may run ahead of the forward, whose length is not known yet.
     replaying: bool = False
+    # The recompute's ops whose outputs are compared once the recompute ends: their digests wait
+    # on the device (a CUDA or XLA output), fetched together there, not synced one op at a time.
+    outputs_due: list[int] = field(default_factory=list)
 
     @property
     def title(self) -> str:

@@ -22,10 +22,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ..core.digest import LazyDigest, resolve_all
 from ..core.events import FORWARD, RECOMPUTE, Phase, RandomOpEvent
 from ..core.findings import Finding, Likely
 from ..core.stacks import user_site
-from .causes import control_flow, first_difference, likely_cause
+from .causes import control_flow, first_difference, likely_cause, output_difference
 from .modules import ModuleNames
 from .probe import StateProbe
 from .region import Region, devices_of, mismatch_finding
@@ -264,9 +265,29 @@ class RecomputeTracker:
             )
             return
         f = region.forward[k]
-        differs, detail = first_difference(f, r)
+        # Outputs still on the device wait for the recompute's end, to be fetched together.
+        due = _waits(f.output) or _waits(r.output)
+        differs, detail = first_difference(f, r, outputs=not due)
         if differs:
             self._mismatch(region, k, f, r, differs, detail, likely_cause(region, k, f, r, differs))
+        elif due:
+            region.outputs_due.append(k)
+
+    def _compare_outputs(self, region: Region) -> None:
+        """Compare the outputs that waited on the device (one fetch per device): the first that
+        differs is the region's mismatch, before any found after it."""
+        due, region.outputs_due = region.outputs_due, []
+        if not due or region.failed:
+            return
+        pairs = [(k, region.forward[k], region.recompute[k]) for k in due]
+        resolve_all(e.output for _, f, r in pairs for e in (f, r))
+        for k, f, r in pairs:
+            differs, detail = output_difference(f, r)
+            if differs:
+                self._mismatch(
+                    region, k, f, r, differs, detail, likely_cause(region, k, f, r, differs)
+                )
+                return
 
     def _check_complete(self, region: Region) -> None:
         if (
@@ -301,6 +322,10 @@ class RecomputeTracker:
         detail: str,
         cause: Likely,
     ) -> None:
+        if region.outputs_due and k > region.outputs_due[0]:
+            self._compare_outputs(region)  # an earlier op's output may be the first difference
+            if region.failed:
+                return
         region.failed = True
         if f is not None and f.seq in self._reported:
             return
@@ -366,6 +391,8 @@ class _PhaseBlock:
             # correct prefix; any other exception is the user's (or a raised finding) and skips
             # this check too.
             tracker._check_complete(region)
+        if self._phase is RECOMPUTE and region.outputs_due:
+            tracker._compare_outputs(region)  # (an early stop's too: a correct prefix)
         if self._states is not None and tracker.probe is not None:
             tracker.probe.exit(region, self._phase, self._states, exc_type is None)
 
@@ -511,3 +538,8 @@ def _remove(active: list[tuple[Region, Phase]], entry: tuple[Region, Phase]) -> 
         if active[i] is entry:
             del active[i]
             return
+
+
+def _waits(output: Any) -> bool:
+    """Whether an op's output digest still waits on its device."""
+    return isinstance(output, LazyDigest) and output.pending
