@@ -395,3 +395,36 @@ def test_the_ops_whose_output_goes_undigested_make_the_same_output_from_the_same
         torch.ops.aten.dropout_.default,
     ):
         assert not state_determines_output(reads), reads
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_recompute_syncs_once_for_its_outputs_not_once_per_op():
+    """native_dropout reads its input, so its outputs are digested on the device; a region with
+    three of them is compared with one fetch when its recompute ends (torch's sync debug mode
+    warns at each synchronising call)."""
+    import warnings
+
+    lin = nn.Linear(64, 64).cuda()
+
+    def block(x):
+        for _ in range(3):
+            x = F.dropout(lin(x), 0.3)
+        return x
+
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert mode.report.ok, [f.message for f in mode.report.findings]
+    recomputed = [e for e in mode.events if e.phase.value == "recompute"]
+    assert len(recomputed) == 3 and all(e.output is not None for e in recomputed)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
