@@ -110,6 +110,9 @@ _FRAME_SAYS = {
 }
 
 
+_LABELS: dict[tuple[str, tuple[int, ...]], str] = {}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Wrapper:
     """One data-parallel wrapper (or pipeline schedule) as a hook describes it: its kind, its
@@ -135,9 +138,17 @@ class Wrapper:
 
     @property
     def label(self) -> str:
-        from ...core.findings import format_ranks
+        """ "DistributedDataParallel over ranks 0-3" (read at every random op its forward or
+        backward draws: made once per kind and group)."""
+        key = (self.kind, self.ranks)
+        label = _LABELS.get(key)
+        if label is None:
+            from ...core.findings import format_ranks
 
-        return f"{self.kind} over ranks {format_ranks(self.ranks)}"
+            if len(_LABELS) >= 256:
+                _LABELS.clear()
+            label = _LABELS[key] = f"{self.kind} over ranks {format_ranks(self.ranks)}"
+        return label
 
     def overwrites(self, tensor: Any) -> bool:
         """Whether this wrapper's broadcast overwrote ``tensor``, a live parameter, asked while
