@@ -234,12 +234,35 @@ def test_rich_rendering_has_panel_table_and_traceback_with_the_user_line():
     text = out.getvalue()
     assert "rngcheck: checkpoint recompute drew different random numbers" in text
     assert "Likely cause:" in text
-    for row in ("op", "generator", "arguments", "state before", "output", "call site"):
+    # (no output row: rand's output follows from its state and arguments, and is not digested)
+    for row in ("op", "generator", "arguments", "state before", "call site"):
         assert row in text
+    assert "│ output" not in text
     assert "forward" in text and "recompute" in text
     assert f"{THIS}:{_at('the-random-op')}" in text
     assert "(torch.rand(x.shape, generator=gen) > 0.5)" in text  # the source line, from rich
     assert "torch/utils/checkpoint.py" not in text  # torch frames are filtered
+
+
+def test_an_output_difference_renders_both_outputs():
+    keep = torch.full((4, 8), 0.7)
+
+    def block(x):
+        return x * torch.bernoulli(keep)  # reads a global, changed before backward
+
+    with rngcheck.RNGConsistencyMode(on_finding="record") as mode:
+        y = checkpoint(block, torch.randn(4, 8, requires_grad=True), use_reentrant=False)
+        keep.fill_(0.2)
+        y.sum().backward()
+    [finding] = mode.report.findings
+    assert finding.differs == "output"
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, width=140, color_system=None).print(
+        rngcheck.render_finding(finding)
+    )
+    [row] = [line for line in out.getvalue().splitlines() if "│ output " in line]
+    digests = re.findall(r"[0-9a-f]{16}", row)
+    assert len(digests) == 2 and digests[0] != digests[1], row
 
 
 def test_plain_text_when_not_a_terminal():
