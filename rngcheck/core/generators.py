@@ -1,8 +1,12 @@
 """Generator identity and state digests: CPU (mt19937), philox devices, XLA, user Generators.
 
-A digest is a signed 64-bit blake2b of the generator's whole state, so it packs into an int64
-tensor for the cross-rank exchange and two different states collide only by chance (2**-64), never
-by construction the way an XOR or 8-bit hash does. Reading a state never changes it.
+A digest is a signed 64-bit value of the generator's whole state: CRC-32 in its low half and
+Adler-32 in its high half, read in place, so it packs into an int64 tensor for the cross-rank
+exchange and two different states collide only by chance, never by construction the way an XOR or
+8-bit hash does. It is read twice per random op: the pair costs a third of blake2b's time on the
+CPU's 5,056 bytes, from the cold caches of a training step. (A digest is never a defence against
+a state crafted to collide: nothing in a training run crafts states.) Reading a state never
+changes it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,6 @@ from typing import Any
 
 import torch
 
-from .digest import bytes_digest
-
 __all__ = [
     "DeviceAdapter",
     "GeneratorId",
@@ -28,18 +30,22 @@ __all__ = [
 ]
 
 
-def _cpu_tensor_digest(t: torch.Tensor) -> int:
-    """Digest of a contiguous CPU tensor's bytes, read in place (no numpy, no copy)."""
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return bytes_digest(b"")
-    buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    return bytes_digest(buf)
+_HALF = 1 << 63
+
+
+def _bytes_state_digest(buf: Any) -> int:
+    """The signed 64-bit digest of a state's bytes (any buffer: read in place)."""
+    value = zlib.crc32(buf) | zlib.adler32(buf) << 32
+    return value - (_HALF << 1) if value >= _HALF else value
 
 
 def state_digest(state: torch.Tensor) -> int:
     """Digest of a generator state as returned by ``Generator.get_state()`` (a CPU byte tensor)."""
-    return _cpu_tensor_digest(state.contiguous())
+    state = state.contiguous()
+    nbytes = state.numel() * state.element_size()
+    if nbytes == 0:
+        return _bytes_state_digest(b"")
+    return _bytes_state_digest((ctypes.c_char * nbytes).from_address(state.data_ptr()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,8 +211,6 @@ class _Tracked:
         "last_after",
         "initial_seed",
         "seed_mark",
-        "_raw",
-        "_raw_digest",
         "_bytes",
     )
 
@@ -217,8 +221,6 @@ class _Tracked:
         self.last_after: int | None = None
         self.initial_seed: int | None = None
         self.seed_mark = 0  # the seeding-call counter at this generator's last op
-        self._raw = b""  # the CPU state bytes last read, and their digest
-        self._raw_digest: int | None = None
         # A CPU torch.Generator is read as its raw state bytes, through a ctypes array type of
         # the state's size (asking its device on every read cost more than the read, and
         # ``ctypes.string_at`` twice as much as the array's ``raw``).
@@ -227,19 +229,12 @@ class _Tracked:
             self._bytes = _state_bytes_type(handle.get_state().numel())
 
     def read(self) -> int | None:
-        """The digest of the generator's state now (None: unreadable at the moment).
-
-        A CPU state is 5,056 bytes; the state before an op is nearly always the bytes read after
-        the previous one, so comparing the bytes (well under a microsecond) spares hashing them
-        a second time.
-        """
+        """The digest of the generator's state now (None: unreadable at the moment). A CPU
+        state's 5,056 bytes are hashed where ``get_state()`` wrote them, never copied out."""
         handle = self.handle
         if self._bytes is not None:
             state = handle.get_state()  # kept alive while its bytes are read
-            raw = self._bytes.from_address(state.data_ptr()).raw
-            if raw != self._raw:
-                self._raw, self._raw_digest = raw, bytes_digest(raw)
-            return self._raw_digest
+            return _bytes_state_digest(self._bytes.from_address(state.data_ptr()))
         return self.adapter.digest(handle)
 
     def snapshot(self) -> bytes | int | None:
@@ -251,22 +246,10 @@ class _Tracked:
             return self._bytes.from_address(state.data_ptr()).raw
         return self.adapter.digest(handle)
 
-    def quick_digest(self) -> int | None:
-        """A 64-bit digest of the state now, only to compare across the ranks of one run (the
-        step level's, every step): a CPU state is summarised by CRC-32 and Adler-32 of its bytes
-        read in place (a third of the time of copying them out first and of blake2b, from the cold
-        caches after a training step); else the state's digest."""
-        handle = self.handle
-        if self._bytes is not None:
-            state = handle.get_state()  # kept alive while its bytes are read
-            view = self._bytes.from_address(state.data_ptr())
-            return zlib.crc32(view) | zlib.adler32(view) << 32
-        return self.adapter.digest(handle)
-
     @staticmethod
     def digest_of(snapshot: bytes | int | None) -> int | None:
         """The digest a :meth:`snapshot` stands for (as :meth:`read` gives it)."""
-        return bytes_digest(snapshot) if isinstance(snapshot, bytes) else snapshot
+        return _bytes_state_digest(snapshot) if isinstance(snapshot, bytes) else snapshot
 
 
 def _cdata(gen: Any) -> int | None:

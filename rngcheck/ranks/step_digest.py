@@ -69,10 +69,10 @@ def slot_of(ident: Any) -> int:
 
 def slot_values(generators: Iterable[Any]) -> list[int]:
     """Per slot, the XOR of the (name-salted) digests of the generators in it (each one's
-    ``quick_digest``: only compared across the ranks of one run)."""
+    state digest)."""
     slots = [0] * SLOTS
     for t in generators:
-        digest = t.quick_digest()
+        digest = t.read()
         if digest is None:
             continue
         salt = generator_name(t.ident)
