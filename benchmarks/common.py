@@ -48,6 +48,7 @@ __all__ = [
     "machine",
     "make_step",
     "markdown_table",
+    "model_section",
 ]
 
 
@@ -331,6 +332,40 @@ class Budget:
         if met:
             return f"met on {' and '.join(sorted(met))} time only"
         return "NOT met"
+
+
+def model_section(
+    quick: bool,
+    focus: Focus,
+    *,
+    name: str,
+    column: str,
+    modes: tuple[str, ...],
+    make: Callable[[], tuple[Any, Callable[[], None]] | None],
+    budgets: Callable[[Timings], list[Budget]],
+    missing: Callable[[], str | None],
+) -> tuple[str, dict[str, Any]]:
+    """The section of one third-party model: its training step under each of ``modes``,
+    interleaved in one run, as ratios to plain training (its table's column is ``column``), and
+    its ``budgets``. ``make`` builds the model and its step; ``missing`` says why it cannot be
+    built here (the section is then that one line), or None."""
+    rounds, steps = (2, 2) if quick else (15, 10)
+    rounds = focus.rounds or rounds
+    title = f"### {name} ({rounds} interleaved rounds x {steps} steps)"
+    why = missing()
+    if why is not None:
+        return f"{title}\n\nSkipped: {why}.", {}
+    torch.set_num_threads(1)
+    made = make()
+    assert made is not None  # (``missing`` said it can be built)
+    model, step = made
+    modes = focus.pick(modes)
+    t = interleave([MODES[m] for m in modes], model, step, rounds=rounds, steps=steps)
+    labels = {m: MODES[m].label for m in modes}
+    table = ratio_table("mode", labels, {column: t}, "plain")
+    text = "\n\n".join([title, table, budget_table(budgets(t))])
+    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in modes}
+    return text, raw
 
 
 def budget_table(items: list[Budget]) -> str:

@@ -8,6 +8,8 @@ step level, interleaved in one run. Needs transformers (requirements-models.txt)
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -15,20 +17,9 @@ from typing import Any
 
 import torch
 
-from .common import (
-    CLOCKS,
-    MODES,
-    NO_FOCUS,
-    Budget,
-    Focus,
-    Timings,
-    budget_table,
-    cli,
-    interleave,
-    ratio_table,
-)
+from .common import NO_FOCUS, Focus, cli, model_section
 
-__all__ = ["make_gpt2_step", "run", "section"]
+__all__ = ["GPT2_MODES", "make_gpt2_step", "section"]
 
 GPT2_MODES = ("plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step")
 
@@ -81,36 +72,23 @@ def make_gpt2_step(
     return model, step
 
 
-def run(rounds: int, steps: int, modes: tuple[str, ...] = GPT2_MODES) -> Timings | None:
-    torch.set_num_threads(1)
-    made = make_gpt2_step()
-    if made is None:
-        return None
-    model, step = made
-    return interleave([MODES[m] for m in modes], model, step, rounds=rounds, steps=steps)
-
-
-def budgets(t: Timings) -> list[Budget]:
-    """level="step" within 1.05x of plain training, the defaults (op level) within 1.10x."""
-    from .overhead import op_level_budgets, step_level_budgets
-
-    what = "GPT-2 (tiny config)"
-    return step_level_budgets(what, t) + op_level_budgets(what, t)
+def _missing() -> str | None:
+    return None if importlib.util.find_spec("transformers") else "transformers is not installed"
 
 
 def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
-    rounds, steps = (2, 2) if quick else (15, 10)
-    rounds = focus.rounds or rounds
-    modes = focus.pick(GPT2_MODES)
-    t = run(rounds, steps, modes)
-    title = f"### Hugging Face GPT-2, tiny config ({rounds} interleaved rounds x {steps} steps)"
-    if t is None:
-        return f"{title}\n\nSkipped: transformers is not installed.", {}
-    labels = {m: MODES[m].label for m in modes}
-    table = ratio_table("mode", labels, {"GPT-2": t}, "plain")
-    text = "\n\n".join([title, table, budget_table(budgets(t))])
-    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in modes}
-    return text, raw
+    from .overhead import model_budgets
+
+    return model_section(
+        quick,
+        focus,
+        name="Hugging Face GPT-2, tiny config",
+        column="GPT-2",
+        modes=GPT2_MODES,
+        make=make_gpt2_step,
+        budgets=functools.partial(model_budgets, "GPT-2 (tiny config)"),
+        missing=_missing,
+    )
 
 
 if __name__ == "__main__":

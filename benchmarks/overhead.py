@@ -103,6 +103,12 @@ def op_level_budgets(what: str, t: Timings) -> list[Budget]:
     return [Budget(f"{what}: rngcheck defaults (op level) / plain", op, 1.10)]
 
 
+def model_budgets(what: str, t: Timings) -> list[Budget]:
+    """A third-party model's budgets: level="step" within 1.05x of plain training, the defaults
+    (the op level) within 1.10x."""
+    return step_level_budgets(what, t) + op_level_budgets(what, t)
+
+
 def step_level_budgets(what: str, t: Timings) -> list[Budget]:
     """level="step" against plain training (not the dispatch-mode floor): between samples, and
     amortised with the op level's cost on one step in SAMPLE_EVERY."""

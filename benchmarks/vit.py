@@ -18,26 +18,16 @@ beside a torch build that has a torchvision of its own (a CUDA build from PyPI, 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .common import (
-    CLOCKS,
-    MODES,
-    NO_FOCUS,
-    Budget,
-    Focus,
-    Timings,
-    budget_table,
-    cli,
-    interleave,
-    ratio_table,
-)
+from .common import NO_FOCUS, Focus, cli, model_section
 
-__all__ = ["VIT_MODES", "budgets", "make_vit_step", "run", "section", "timm_missing"]
+__all__ = ["VIT_MODES", "make_vit_step", "section", "timm_missing"]
 
 VIT_MODES = ("plain", "noop", "rngcheck", "rngcheck-dispatch", "rngcheck-step")
 WHAT = "timm ViT (tiny config)"  # what the budget rows name
@@ -109,37 +99,19 @@ def make_vit_step(
     return model, step
 
 
-def run(rounds: int, steps: int, modes: tuple[str, ...] = VIT_MODES) -> Timings | None:
-    torch.set_num_threads(1)
-    made = make_vit_step()
-    if made is None:
-        return None
-    model, step = made
-    return interleave([MODES[m] for m in modes], model, step, rounds=rounds, steps=steps)
-
-
-def budgets(t: Timings) -> list[Budget]:
-    """level="step" within 1.05x of plain training, the defaults (op level) within 1.10x."""
-    from .overhead import op_level_budgets, step_level_budgets
-
-    return step_level_budgets(WHAT, t) + op_level_budgets(WHAT, t)
-
-
 def section(quick: bool, focus: Focus = NO_FOCUS) -> tuple[str, dict[str, Any]]:
-    rounds, steps = (2, 2) if quick else (15, 10)
-    rounds = focus.rounds or rounds
-    title = f"### timm ViT, tiny config ({rounds} interleaved rounds x {steps} steps)"
-    missing = timm_missing()
-    if missing is not None:
-        return f"{title}\n\nSkipped: {missing}.", {}
-    modes = focus.pick(VIT_MODES)
-    t = run(rounds, steps, modes)
-    assert t is not None  # (timm imports: checked above)
-    labels = {m: MODES[m].label for m in modes}
-    table = ratio_table("mode", labels, {"ViT": t}, "plain")
-    text = "\n\n".join([title, table, budget_table(budgets(t))])
-    raw = {m: {f"median_{c}_s": t.median(m, c) for c in CLOCKS} for m in modes}
-    return text, raw
+    from .overhead import model_budgets
+
+    return model_section(
+        quick,
+        focus,
+        name="timm ViT, tiny config",
+        column="ViT",
+        modes=VIT_MODES,
+        make=make_vit_step,
+        budgets=functools.partial(model_budgets, WHAT),
+        missing=timm_missing,
+    )
 
 
 if __name__ == "__main__":
