@@ -246,6 +246,21 @@ def test_tuples_with_plain_values_and_none():
     assert _digest((a, None, 3)) != _digest((a, None, 4))
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.float64, torch.int64, torch.bool, torch.complex64]
+)
+@pytest.mark.parametrize("shape", [(), (0,), (10,), (3, 4, 5), (SAMPLE,), (SAMPLE + 1,), (77, 131)])
+def test_a_plain_contiguous_cpu_tensor_read_in_place_has_the_general_paths_digest(dtype, shape):
+    """Random ops' outputs are digested in place when they are plain contiguous CPU tensors; a
+    forward and its recompute must agree whichever path each took (a tuple output takes the
+    general one)."""
+    t = (torch.randn(shape) * 10).to(dtype)
+    alone = tensor_digest(t)
+    assert alone == tensor_digest([t]) == tensor_digest(t.clone()) is not None
+    if t.numel():
+        assert alone != tensor_digest(_bump(t.reshape(-1), (0,)).reshape(shape))
+
+
 def test_fake_and_meta_tensors_have_no_digest_and_a_functional_wrapper_reads_its_value():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -138,8 +138,8 @@ class Wrapper:
 
     @property
     def label(self) -> str:
-        """ "DistributedDataParallel over ranks 0-3" (read at every random op its forward or
-        backward draws: made once per kind and group)."""
+        """What findings call it, "DistributedDataParallel over ranks 0-3" (read at every random
+        op its forward or backward draws: made once per kind and group)."""
         key = (self.kind, self.ranks)
         label = _LABELS.get(key)
         if label is None:
