@@ -104,7 +104,7 @@ def resolve_digest(d: int | LazyDigest | None) -> int | None:
 def resolve_all(digests: Iterable[Any]) -> None:
     """Fetch every pending digest among ``digests`` with one transfer per device (one sync for a
     whole recompute's outputs, where resolving them one by one syncs at each)."""
-    waiting = [d for d in digests if isinstance(d, LazyDigest) and d._pending is not None]
+    waiting = [d for d in digests if isinstance(d, LazyDigest) and d.pending]
     if not waiting:
         return
     by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -138,12 +138,12 @@ def tensor_digest(value: Any) -> int | LazyDigest | None:
         return None
 
 
-_LABELS: dict[tuple[Any, ...], tuple[bytes, int, str]] = {}
+_LABELS: dict[tuple[Any, ...], bytes] = {}
 
 
 def _plain_cpu_digest(t: torch.Tensor) -> int | None:
-    """The digest of the common output, a plain contiguous CPU tensor, read in place: the bytes
-    :func:`_digest` hashes (its label, then its sample), without its dispatch guards (no tensor
+    """The digest of the common output, a plain contiguous CPU tensor: what :func:`_digest`
+    hashes (its label, then its values read in place), without its dispatch guards (no tensor
     op runs) and with the label made once per shape and dtype. None: not such a tensor."""
     if (
         t.layout is not torch.strided
@@ -152,30 +152,17 @@ def _plain_cpu_digest(t: torch.Tensor) -> int | None:
         or torch._is_functional_tensor(t)
         or not t.is_contiguous()
         or t.device.type != "cpu"
+        or t.element_size() not in _ITEM_FORMATS
     ):
         return None
-    shape, dtype = t.shape, t.dtype
-    key = (shape, dtype)
-    known = _LABELS.get(key)
-    if known is None:
-        size = t.element_size()
-        if size not in _ITEM_FORMATS:
-            return None
+    key = (t.shape, t.dtype)
+    label = _LABELS.get(key)
+    if label is None:
         if len(_LABELS) >= 256:  # shapes change (variable sequence lengths): stay bounded
             _LABELS.clear()
-        known = _LABELS[key] = (
-            f"{tuple(shape)}{dtype}{torch.strided}".encode(),
-            size,
-            _ITEM_FORMATS[size],
-        )
-    label, size, item = known
+        label = _LABELS[key] = f"{tuple(t.shape)}{t.dtype}{torch.strided}".encode()
     host = hashlib.blake2b(label, digest_size=8)
-    numel = t.numel()
-    if numel:
-        view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr()))
-        if numel > SAMPLE:
-            view = view.cast("B").cast(item)[:: _step(numel)].tobytes()  # type: ignore[call-overload]
-        host.update(view)
+    _hash_cpu(host, t)
     return int.from_bytes(host.digest(), "little", signed=True)
 
 
@@ -330,10 +317,12 @@ def _hash_cpu(h: Any, t: torch.Tensor) -> None:
     if numel == 0:
         return
     size = t.element_size()
-    if t.is_contiguous() and numel > SAMPLE and size in _ITEM_FORMATS:
-        # The common case of a large activation: read the sample in place, no tensor op at all.
-        view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr())).cast("B")
-        h.update(view.cast(_ITEM_FORMATS[size])[:: _step(numel)].tobytes())  # type: ignore[call-overload]
+    if t.is_contiguous() and size in _ITEM_FORMATS:
+        # The common case: read in place (a large activation's sample), no tensor op at all.
+        view = memoryview((ctypes.c_char * (numel * size)).from_address(t.data_ptr()))
+        if numel > SAMPLE:
+            view = view.cast("B").cast(_ITEM_FORMATS[size])[:: _step(numel)].tobytes()  # type: ignore[call-overload]
+        h.update(view)
         return
     sample = _sample(t)  # alive until the end of this function, while its bytes are read
     nbytes = sample.numel() * size

@@ -265,8 +265,10 @@ class RecomputeTracker:
             )
             return
         f = region.forward[k]
-        # Outputs still on the device wait for the recompute's end, to be fetched together.
-        due = _waits(f.output) or _waits(r.output)
+        # Two outputs, one still on the device: compared at the recompute's end, fetched together.
+        due = (
+            f.output is not None and r.output is not None and (_waits(f.output) or _waits(r.output))
+        )
         differs, detail = first_difference(f, r, outputs=not due)
         if differs:
             self._mismatch(region, k, f, r, differs, detail, likely_cause(region, k, f, r, differs))

@@ -204,9 +204,7 @@ class Recorder:
             # now on its calls run with the mode set aside (see on_compiled_graph).
             self.graph_hook.install()
             op, summary = f"compiled_graph.{call.kind}", tuple[str, ...]()
-            determined = False
         else:
-            determined = device.type in _STATE_DEVICES and state_determines_output(func)
             op, summary = op_name(func), summarize_args(func, args, kwargs)
             if tracker is not None and not tracker.active() and not self.unseen_checkpoint:
                 self._check_coverage(op)
@@ -216,9 +214,7 @@ class Recorder:
             # group; an in-place op's target tells a parameter's initialisation (replicated.py).
             mesh = self.ranks.mesh_of(args, kwargs)
             written = args[0] if args and writes_first_argument(func) else None
-        self._drawn(
-            op, summary, tracked, before, after, oob, mark, out, call, mesh, written, determined
-        )
+        self._drawn(op, summary, tracked, before, after, oob, mark, out, call, mesh, written, func)
         return out
 
     def _before_draw(self, tracked: Any) -> tuple[int | None, OutOfBandChange | None, int]:
@@ -243,10 +239,10 @@ class Recorder:
         call: CompiledCall | None,
         mesh: Any = None,
         written: Any = None,
-        determined: bool = False,
+        func: Any = None,
     ) -> None:
         """A draw happened: note the generator's new state, build the event, and hand it on.
-        ``determined``: the state before and the arguments decide the output (no digest)."""
+        ``func``: the op that drew (None: a compiled graph)."""
         tracked.last_after = after
         tracked.seed_mark = seed_mark
         if isinstance(tracked.handle, torch.Generator):
@@ -266,7 +262,6 @@ class Recorder:
         # recompute comparison compares those first, and the same ones made the same output.
         digest = (
             call is None
-            and (before is None or not determined)
             and (
                 in_region
                 or (
@@ -276,6 +271,7 @@ class Recorder:
                     )
                 )
             )
+            and (before is None or not _decided(func, tracked.ident.device))
         )
         event = self._event(
             op,
@@ -425,6 +421,16 @@ class Recorder:
 # Devices whose generator state, as read, decides what a draw makes: the CPU's whole Mersenne
 # Twister state, CUDA's Philox seed and offset (torch_xla's state is the seed alone).
 _STATE_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _decided(func: Any, device: str) -> bool:
+    """Whether ``func``'s draw on ``device`` ("cuda:0") makes an output its state before and its
+    arguments decide."""
+    return (
+        func is not None
+        and device.partition(":")[0] in _STATE_DEVICES
+        and state_determines_output(func)
+    )
 
 
 def _on_dtensor(args: tuple) -> bool:
