@@ -5,6 +5,7 @@
 #   1. the XLA tests (tests/test_xla.py, marker "xla"; they skip in the main lane);
 #   2. the single-process core tests, since rngcheck claims torch 2.9 support, and the
 #      integrations' coverage test (every name rngcheck hooks resolves on torch 2.9).
+# Both run on each route by which ops reach the checker (RNGCHECK_ROUTE).
 # The venv is reused while its pins match (see scripts/lane_venv.sh); otherwise it is rebuilt
 # (PyPI's torch 2.9.0 for x86_64 is the CUDA build: ~3.9 GB to download, ~7 GB on disk, ~2 min).
 set -euo pipefail
@@ -28,8 +29,10 @@ shopt -s nullglob
 # (and the integrations' coverage: every hooked name resolves on torch 2.9)
 core=(tests/test_core*.py tests/test_recompute*.py tests/test_torch_versions.py tests/test_integrations.py tests/test_routes.py)
 if [ ${#core[@]} -gt 0 ]; then
-  echo "xla lane: core single-process tests on torch 2.9"
-  "$VENV/bin/python" -m pytest -q "${core[@]}" || status=1
+  for route in selective dispatch_mode; do
+    echo "xla lane: core single-process tests on torch 2.9, on the $route route"
+    RNGCHECK_ROUTE=$route "$VENV/bin/python" -m pytest -q "${core[@]}" || status=1
+  done
 fi
 
 echo "xla lane: $(($(date +%s) - start)) s, $VENV uses $(du -sh "$VENV" | cut -f1)"
